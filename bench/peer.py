@@ -1,0 +1,99 @@
+"""A second process that owns a shareable window, for cross-process benchmarks and demos.
+
+``PeerWindow.start(...)`` spawns a fresh interpreter (``multiprocessing`` spawn) that
+builds its own platform, allocates a shareable buffer, fills it, and sends back the
+export handle; it keeps the buffer alive until ``stop()``. Commands over the pipe let the
+parent ask the peer to fill or checksum a range with its own view of the memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvfabric.platform.types import Medium
+
+
+def _peer_main(conn: Connection, platform: str | None, nbytes: int, medium: str) -> None:
+    import numpy as np
+
+    from kvfabric.platform.registry import create
+
+    plat = create(platform)
+    try:
+        buf = plat.alloc(nbytes, Medium(medium), shareable=True)
+        host = plat.alloc(nbytes, Medium.DRAM)
+        host.numpy()[:] = 0
+        plat.copy(buf, host)  # touch every page of the window
+        conn.send(("ready", plat.export_handle(buf), plat.name))
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd == "fill":  # fill [off, off+n) with a seeded pattern
+                off, n, seed = args
+                pattern = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+                host.numpy()[:n] = pattern
+                plat.copy(buf.at(off, n), host.at(0, n))
+                conn.send(("ok",))
+            elif cmd == "digest":
+                off, n = args
+                plat.copy(host.at(0, n), buf.at(off, n))
+                conn.send(("ok", hashlib.sha256(host.numpy()[:n].tobytes()).hexdigest()))
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+    finally:
+        plat.close()
+        conn.close()
+
+
+@dataclass
+class PeerWindow:
+    """The parent's handle on a peer process and its exported window."""
+
+    proc: Any
+    conn: Connection
+    handle: bytes
+    platform: str
+    nbytes: int
+
+    @classmethod
+    def start(
+        cls, platform: str | None, nbytes: int, medium: Medium = Medium.HBM, timeout: float = 60.0
+    ) -> PeerWindow:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_peer_main, args=(child, platform, nbytes, medium.value), daemon=True, name="kvfabric-peer"
+        )
+        proc.start()
+        child.close()
+        if not parent.poll(timeout):
+            proc.kill()
+            raise TimeoutError(f"peer process did not export its window within {timeout} s")
+        msg = parent.recv()
+        if msg[0] != "ready":
+            proc.kill()
+            raise RuntimeError(f"peer process failed: {msg}")
+        return cls(proc, parent, msg[1], msg[2], nbytes)
+
+    def request(self, *cmd: Any) -> tuple[Any, ...]:
+        self.conn.send(cmd)
+        reply = self.conn.recv()
+        if reply[0] != "ok":
+            raise RuntimeError(f"peer refused {cmd[0]!r}: {reply}")
+        return reply
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            self.conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()

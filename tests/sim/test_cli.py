@@ -1,0 +1,55 @@
+"""The console script, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def _kvfabric(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    exe = shutil.which("kvfabric")
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "kvfabric.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_info():
+    out = _kvfabric("info")
+    assert out.returncode == 0, out.stderr
+    assert "platform sim" in out.stdout and "numpy" in out.stdout
+
+
+def test_demo_runs_end_to_end():
+    out = _kvfabric("demo")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "demo OK" in out.stdout
+    assert "peer digest matches" in out.stdout and "MISMATCH" not in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_copy_quick_json():
+    out = _kvfabric("bench", "copy", "--quick", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    assert {r["case"] for r in rows} == {"in-process", "cross-process"}
+    assert {r["nbytes"] for r in rows} >= {4096, 1 << 20, 64 << 20}
+    for r in rows:
+        assert r["bench"] == "copy"
+        for key in ("gbps", "memcpy_gbps", "ratio_vs_memcpy", "p50_us"):
+            assert r[key] > 0, (key, r)
+        assert r["ratio_vs_memcpy"] == pytest.approx(r["gbps"] / r["memcpy_gbps"], rel=0.02)
+
+
+def test_bad_input_is_a_clear_error():
+    out = _kvfabric("bench", "nope")
+    assert out.returncode == 2 and "unknown benchmark 'nope'" in out.stderr
+    out = _kvfabric("--platform", "tpu", "info")
+    assert out.returncode == 2 and "unknown platform 'tpu'" in out.stderr
+
+
+def test_shm_list():
+    out = _kvfabric("shm", "list")
+    assert out.returncode == 0 and "kvfabric segments" in out.stdout
