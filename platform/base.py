@@ -18,7 +18,6 @@ Thread-safe: any thread may call any method.
 
 from __future__ import annotations
 
-import abc
 import os
 import threading
 import weakref
@@ -31,6 +30,7 @@ from kvfabric.errors import KVFabricError, OutOfSpace, PlatformError
 from kvfabric.platform import handles
 from kvfabric.platform.addrmap import AddressMap
 from kvfabric.platform.buffer import Buffer
+from kvfabric.platform.primitives import BackendPrimitives
 from kvfabric.platform.stream import Event, Stream
 from kvfabric.platform.types import (
     BufferKind,
@@ -51,7 +51,7 @@ def _check_size(nbytes: object, what: str = "nbytes") -> int:
     return int(nbytes)
 
 
-class Platform(abc.ABC):
+class Platform(BackendPrimitives):
     """A device runtime seen through one contract (see the module docstring)."""
 
     name: ClassVar[str] = "abstract"
@@ -325,92 +325,3 @@ class Platform(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._where()})"
-
-    # ------------------------------------------------------------------ views
-    def _numpy_view(self, buf: Buffer) -> np.ndarray:
-        if buf.medium is not Medium.DRAM:
-            raise TypeError(f"{buf!r} is device memory on {self.name}; use .tensor()")
-        import ctypes
-
-        raw = (ctypes.c_uint8 * buf.nbytes).from_address(buf.ptr)
-        return np.frombuffer(raw, dtype=np.uint8)
-
-    def _tensor_view(self, buf: Buffer) -> Any:
-        import torch
-
-        return torch.from_numpy(self._numpy_view(buf))
-
-    # ------------------------------------------------------------------ primitives
-    @abc.abstractmethod
-    def _alloc(self, nbytes: int, medium: Medium, shareable: bool) -> tuple[int, Any]:
-        """Allocate; return (address, backend state). Raise OutOfSpace/MemoryError."""
-
-    @abc.abstractmethod
-    def _free(self, buf: Buffer) -> None: ...
-
-    @abc.abstractmethod
-    def _copy(self, dst: int, src: int, nbytes: int, direction: Direction, stream: Stream | None) -> None: ...
-
-    @abc.abstractmethod
-    def _batch_copy(self, batch: CopyBatch, directions: np.ndarray, stream: Stream | None) -> None: ...
-
-    @abc.abstractmethod
-    def _stream_create(self) -> Any: ...
-
-    @abc.abstractmethod
-    def _stream_destroy(self, stream: Stream) -> None: ...
-
-    @abc.abstractmethod
-    def _stream_synchronize(self, stream: Stream, timeout: float | None) -> None: ...
-
-    @abc.abstractmethod
-    def _stream_query(self, stream: Stream) -> bool: ...
-
-    @abc.abstractmethod
-    def _stream_wait_event(self, stream: Stream, event: Event) -> None: ...
-
-    @abc.abstractmethod
-    def _event_create(self) -> Any: ...
-
-    @abc.abstractmethod
-    def _event_record(self, event: Event, stream: Stream) -> None: ...
-
-    @abc.abstractmethod
-    def _event_query(self, event: Event) -> bool: ...
-
-    @abc.abstractmethod
-    def _event_synchronize(self, event: Event, timeout: float | None) -> None: ...
-
-    @abc.abstractmethod
-    def _export(self, buf: Buffer) -> bytes: ...
-
-    @abc.abstractmethod
-    def _import(self, rec: handles.HandleRecord) -> tuple[int, Any]: ...
-
-    @abc.abstractmethod
-    def _close_import(self, buf: Buffer) -> None: ...
-
-    @abc.abstractmethod
-    def _register_host(self, ptr: int, nbytes: int) -> Any: ...
-
-    @abc.abstractmethod
-    def _unregister_host(self, buf: Buffer) -> None: ...
-
-    @abc.abstractmethod
-    def _wrap_info(self, obj: Any, medium: Medium | None) -> tuple[int, int, Medium]:
-        """``(address, nbytes, medium)`` of ``obj``, without side effects."""
-
-    def _prepare_wrap(self, buf: Buffer) -> None:
-        """Make a wrapped buffer usable for DMA if the backend must (nothing by default)."""
-
-    def _unwrap(self, buf: Buffer) -> None:
-        """Undo ``_prepare_wrap`` (nothing by default)."""
-
-    @abc.abstractmethod
-    def _info(self) -> PlatformInfo: ...
-
-    def _event_destroy(self, handle: Any) -> None:
-        """Release an event handle (called when its Event is collected)."""
-
-    def _shutdown(self) -> None:
-        """Release backend-wide resources after every buffer and stream is gone."""
