@@ -1,0 +1,1 @@
+"""kvfabric.ucm_layer.store: the async store contract (``base.py``) and the stores."""

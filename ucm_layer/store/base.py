@@ -1,0 +1,175 @@
+"""The store contract: one asynchronous API that every KV block store implements.
+
+A store holds *block shards*: the bytes of one shard (``shard_idx``) of one block
+(a 16-byte id). Ids travel as an ``(n, 16)`` uint8 array; the bytes of a shard are ``m``
+pieces whose sizes the store is configured with (``StoreLayout.piece_sizes``), and the
+caller names where those pieces are with an ``(n, m)`` uint64 array of addresses known to
+the store's platform (allocated, registered or wrapped there), so one call costs O(1)
+Python work whatever ``n`` is.
+
+Call order and meaning (every method is thread-safe):
+
+* ``lookup(ids) -> (n,) bool``: which shards are present *and complete* in this store.
+* ``lookup_prefix(ids) -> int``: the length of the present prefix (ids are a chain).
+* ``prefetch(ids)``: best effort hint that these may be loaded soon; may do nothing.
+* ``load(ids, shard_idx, addrs) -> Task``: copy present shards into ``addrs``.
+* ``dump(ids, shard_idx, addrs, after=None) -> Task``: store the shards at ``addrs``;
+  the copy starts only once ``after`` (a platform ``Event``) has completed. A shard that
+  is already present is left untouched and reported ``OK`` (stores are put-if-absent).
+* ``check(task) -> bool``: whether ``task`` has finished (never blocks).
+* ``wait(task, timeout=None) -> (n,) BlockStatus``: block until ``task`` finishes and
+  return the status of each block. One consumer: a second ``wait`` on the same task is a
+  ``ValueError``. On timeout the task is cancelled cleanly (blocks not finished are
+  ``TIMEOUT``; a cancelled dump leaves nothing visible) and the statuses are returned.
+* ``cancel(task)``: stop what has not started; unfinished blocks become ``CANCELLED``.
+
+Memory ownership: the caller owns the memory at ``addrs``. After a ``load`` it must not
+read, and after a ``dump`` it must not overwrite, those bytes until ``wait`` returned:
+for a dump, ``wait`` returning means "the source buffers may be reused" (even if the
+store writes behind). Visibility: a shard becomes visible to ``lookup`` only once it is
+complete and durable in this store; no torn shard is ever visible, even if the writer
+dies in the middle of a dump.
+
+Errors: malformed arguments (shapes, dtypes, unknown shard index, addresses outside the
+platform's buffers) raise ``ValueError`` / ``TypeError`` at the call, before anything is
+queued; failures while moving bytes never raise from ``wait`` but show up as per-block
+statuses; a backing service that does not answer makes ``lookup`` report a miss.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+ID_BYTES = 16
+
+
+class BlockStatus(enum.IntEnum):
+    """Per-block outcome of a load or dump (the values are stable: they go in int8 arrays)."""
+
+    OK = 0
+    MISSING = 1  # load: the shard is not in this store
+    FAILED = 2  # I/O or transfer error, out of space, backing service gone
+    CANCELLED = 3
+    TIMEOUT = 4
+    PENDING = 5  # not finished (only seen through a task's live view, never from wait)
+
+
+class TaskKind(enum.Enum):
+    LOAD = "load"
+    DUMP = "dump"
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """How many shards a block has and the byte sizes of the pieces of one shard."""
+
+    piece_sizes: tuple[int, ...]
+    num_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.piece_sizes or any(int(s) <= 0 for s in self.piece_sizes):
+            raise ValueError(f"piece_sizes must be positive byte counts, got {self.piece_sizes!r}")
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+
+    @property
+    def shard_bytes(self) -> int:
+        return int(sum(self.piece_sizes))
+
+    @property
+    def pieces(self) -> int:
+        return len(self.piece_sizes)
+
+
+def check_ids(ids: Any) -> np.ndarray:
+    """Validate and return ids as a C-contiguous ``(n, 16)`` uint8 array."""
+    arr = np.asarray(ids)
+    if arr.dtype != np.uint8 or arr.ndim != 2 or arr.shape[1] != ID_BYTES:
+        raise ValueError(f"ids must be an (n, {ID_BYTES}) uint8 array, got {arr.dtype} {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def check_addrs(addrs: Any, n: int, layout: StoreLayout) -> np.ndarray:
+    """Validate and return addresses as a C-contiguous ``(n, m)`` uint64 array."""
+    arr = np.asarray(addrs)
+    if arr.ndim == 1 and layout.pieces == 1:
+        arr = arr.reshape(-1, 1)
+    if arr.ndim != 2 or arr.shape != (n, layout.pieces):
+        raise ValueError(
+            f"addrs must have shape ({n}, {layout.pieces}) (blocks x pieces per shard), got {arr.shape}"
+        )
+    if arr.dtype != np.uint64:
+        if arr.dtype.kind not in "iu" or (arr.size and int(arr.min()) < 0):
+            raise ValueError(f"addrs must be non-negative integer addresses, got {arr.dtype}")
+        arr = arr.astype(np.uint64)
+    return np.ascontiguousarray(arr)
+
+
+def check_shard(shard_idx: int, layout: StoreLayout) -> int:
+    if isinstance(shard_idx, bool) or not isinstance(shard_idx, (int, np.integer)):
+        raise TypeError(f"shard_idx must be an int, got {type(shard_idx).__name__}")
+    if not 0 <= shard_idx < layout.num_shards:
+        raise ValueError(f"shard_idx {shard_idx} out of range: the layout has {layout.num_shards} shard(s)")
+    return int(shard_idx)
+
+
+class Task(abc.ABC):
+    """A handle on one load or dump. Only the store that made it may be asked about it."""
+
+    kind: TaskKind
+    num_blocks: int
+
+
+class Store(abc.ABC):
+    """A KV block store (see the module docstring for the contract)."""
+
+    #: the name this store is registered under (``"posix"``, ``"cache"``, ``"pool"``)
+    name: str = "abstract"
+
+    layout: StoreLayout
+
+    @abc.abstractmethod
+    def lookup(self, ids: np.ndarray) -> np.ndarray: ...
+
+    def lookup_prefix(self, ids: np.ndarray) -> int:
+        mask = self.lookup(ids)
+        misses = np.flatnonzero(~mask)
+        return int(misses[0]) if misses.size else int(mask.size)
+
+    def prefetch(self, ids: np.ndarray) -> None:
+        """Best effort; the default does nothing."""
+
+    @abc.abstractmethod
+    def load(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray) -> Task: ...
+
+    @abc.abstractmethod
+    def dump(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray, after: Any = None) -> Task: ...
+
+    @abc.abstractmethod
+    def check(self, task: Task) -> bool: ...
+
+    @abc.abstractmethod
+    def wait(self, task: Task, timeout: float | None = None) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    def cancel(self, task: Task) -> None: ...
+
+    def close(self) -> None:
+        """Finish or cancel outstanding tasks and release resources. Idempotent."""
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], **kwargs: Any) -> Store:
+        """Build from one flat config mapping; each store validates its own keys."""
+        raise NotImplementedError(f"store {cls.name!r} has no from_config")
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
