@@ -163,7 +163,9 @@ class SegmentTable:
                 why = "it is a member that contributes none"
             else:
                 why = "it is not a member: it never joined, left, or died and was removed"
-            raise RankUnavailable(f"rank {rank} has no {medium.value} window in segment table v{self.version} ({why})")
+            raise RankUnavailable(
+                f"rank {rank} has no {medium.value} window in segment table v{self.version} ({why})"
+            )
         return s
 
     def gva(self, medium: Medium, rank: int, offset: int = 0) -> Gva:
