@@ -358,6 +358,15 @@ class Fabric:
         """The GVA of ``offset`` in ``rank``'s (default: this rank's) ``medium`` window."""
         return self._view.table.gva(Medium.parse(medium), self.rank if rank is None else rank, offset)
 
+    def transport(self, name: str) -> Transport:
+        """The enabled transport ``name`` (e.g. to reach the remote engine directly)."""
+        t = self._transports.get(name)
+        if t is None:
+            raise ValueError(
+                f"transport {name!r} is not enabled here (enabled: {', '.join(self._transports)})"
+            )
+        return t
+
     def subscribe(self, fn: Callable[[MembershipChange], None]) -> Callable[[], None]:
         """Call ``fn`` (on the monitor thread) after every membership change; returns an
         unsubscribe function. ``change.left`` lists ranks that left or died."""

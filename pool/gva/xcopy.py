@@ -310,16 +310,16 @@ def pack(ends: Sequence[Any]) -> np.ndarray:
 
 def _scalar_end(
     view: View, cfg: GvaConfig, platform: Platform, end: Any, n: int, what: str, version: int | None
-) -> tuple[int, Span | None]:
-    """(group key, span here or None) of one end of a single-piece copy, validated."""
+) -> tuple[int, Span | None, int]:
+    """(group key, span here or None, window offset) of one end of a one-piece copy, validated."""
     if isinstance(end, Span):
         if n > end.nbytes:
             raise ValueError(f"{what}: {n} B do not fit in a local span of {end.nbytes} B")
-        return LOCAL_KEY, Span(end.buffer, end.offset, n)
+        return LOCAL_KEY, Span(end.buffer, end.offset, n), 0
     if isinstance(end, Buffer):
         if n > end.nbytes:
             raise ValueError(f"{what}: {n} B do not fit in a local buffer of {end.nbytes} B")
-        return LOCAL_KEY, Span(end, 0, n)
+        return LOCAL_KEY, Span(end, 0, n), 0
     if isinstance(end, bool) or not isinstance(end, (int, np.integer)):
         raise TypeError(
             f"{what} must be a GVA, a local address, a Buffer or a Span, got {type(end).__name__}"
@@ -331,15 +331,15 @@ def _scalar_end(
             raise ValueError(f"{what} {g:#x} is neither a local address nor a GVA")
         if a > 1 and (g | n) & (a - 1):
             raise ValueError(f"{what} {g:#x} or size {n} is not {a}-byte aligned")
-        return LOCAL_KEY, platform.find(g, n)
+        return LOCAL_KEY, platform.find(g, n), 0
     seg, off = view.table.locate(g, n, version)
     if a > 1 and (off | n) & (a - 1):
         raise ValueError(f"{what} {g:#x} (offset {off}) or size {n} is not {a}-byte aligned")
     key = (MEDIUM_REGION[seg.medium] << RANK_BITS) | seg.rank
     e = view.ends.get(key)
     if e is None or not e.ptr or e.buffer is None:
-        return key, None
-    return key, Span(e.buffer, off, n)
+        return key, None, off
+    return key, Span(e.buffer, off, n), off
 
 
 def copy_one(
@@ -365,9 +365,15 @@ def copy_one(
     n = int(nbytes)
     if n <= 0:
         raise ValueError(f"nbytes must be > 0, got {n}")
-    dkey, dspan = _scalar_end(view, cfg, platform, dst, n, "dst", version)
-    skey, sspan = _scalar_end(view, cfg, platform, src, n, "src", version)
-    t = choose(view, cfg, transports, skey, dkey)
+    dkey, dspan, doff = _scalar_end(view, cfg, platform, dst, n, "dst", version)
+    skey, sspan, soff = _scalar_end(view, cfg, platform, src, n, "src", version)
+    t: Transport | None = None
+    if dspan is not None and sspan is not None:  # both ends addressable here
+        allowed = cfg.allowed(view.rank_of(skey), view.rank_of(dkey)) if cfg.pair_rules else cfg.transports
+        if allowed[0] == "mapped":
+            t = transports.get("mapped")
+    if t is None:
+        t = choose(view, cfg, transports, skey, dkey)
     if t.name == "mapped" and dspan is not None and sspan is not None:
         pins = [e.mapped for k in (skey, dkey) if k != LOCAL_KEY and (e := view.ends[k]).mapped is not None]
         for m in pins:
@@ -384,6 +390,15 @@ def copy_one(
             return None
         h = XferHandle(1)
         h._add(np.zeros(1, np.int64), comp, pins)
+        return h
+    one = getattr(t, "copy_one", None)
+    if one is not None:  # a transport with its own one-piece path (no arrays)
+        comp = one(view, dkey, dspan, doff, skey, sspan, soff, n, sync)
+        if sync:
+            comp.wait()
+            return None
+        h = XferHandle(1)
+        h._add(np.zeros(1, np.int64), comp, [])
         return h
     d = np.array([dspan.ptr if dkey == LOCAL_KEY and dspan is not None else _raw(dst)], np.uint64)
     s = np.array([sspan.ptr if skey == LOCAL_KEY and sspan is not None else _raw(src)], np.uint64)

@@ -16,12 +16,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gva_worker import Worker, pattern  # noqa: E402
+from gva_worker import Worker, pattern
 
-from kvfabric.errors import RankUnavailable  # noqa: E402
-from kvfabric.pool.gva.config import GvaConfig  # noqa: E402
-from kvfabric.pool.gva.fabric import Fabric  # noqa: E402
-from kvfabric.pool.gva.rendezvous.server import RendezvousServer  # noqa: E402
+from kvfabric.errors import RankUnavailable
+from kvfabric.pool.gva.config import GvaConfig
+from kvfabric.pool.gva.fabric import Fabric
+from kvfabric.pool.gva.rendezvous.server import RendezvousServer
 
 WIN = 16 << 20
 REMOTE = ("mapped", "remote")
@@ -58,7 +58,9 @@ def main() -> None:
             # node B writes into A's window through its own engine (B is the near side)
             ga = a.gva("dram", 0)
             b.ok("xcopy", ga + 100, gb + base, 65536)
-            out["b_to_a_ok"] = bool((a.window("dram").numpy()[100 : 100 + 65536] == src.numpy()[:65536]).all())
+            out["b_to_a_ok"] = bool(
+                (a.window("dram").numpy()[100 : 100 + 65536] == src.numpy()[:65536]).all()
+            )
             # B untouched elsewhere: its own pattern still there past what we wrote
             a.xcopy_sync(back, gb + WIN - 4096, 4096)
             out["b_pattern_ok"] = bool((back.numpy()[:4096] == pattern(WIN, b.rank)[-4096:]).all())

@@ -33,7 +33,9 @@ def why_not() -> str | None:
     return None
 
 
-def run_isolated(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_isolated(
+    argv: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``argv`` in a fresh loopback-only network namespace."""
     e = dict(os.environ)
     e.update({"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "2"})

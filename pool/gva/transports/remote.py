@@ -22,7 +22,7 @@ import numpy as np
 
 from kvfabric.errors import PlatformError
 from kvfabric.platform.buffer import Buffer
-from kvfabric.platform.types import Medium
+from kvfabric.platform.types import Medium, Span
 from kvfabric.pool.gva.address import REGION_MEDIUM
 from kvfabric.pool.gva.transports.base import Completion, GroupPlan, Transport, TransportContext
 from kvfabric.pool.gva.view import LOCAL_KEY, RANK_BITS, View
@@ -48,6 +48,7 @@ class _Registry:
         self.lock = threading.Lock()
         self.starts: list[int] = []
         self.bufs: list[Buffer] = []
+        self.ids: frozenset[int] = frozenset()
         self.snap: tuple[np.ndarray, np.ndarray, tuple[Buffer, ...]] = (
             np.zeros(0, np.uint64),
             np.zeros(0, np.uint64),
@@ -55,6 +56,7 @@ class _Registry:
         )
 
     def rebuild(self) -> None:
+        self.ids = frozenset(id(b) for b in self.bufs)
         self.snap = (
             np.array(self.starts, np.uint64),
             np.array([b.ptr + b.nbytes for b in self.bufs], np.uint64),
@@ -168,6 +170,37 @@ class RemoteTransport(Transport):
         return self.engine.transfer(
             route, write, near.tolist(), remote.tolist(), group.nbytes.tolist(), sync, what
         )
+
+    def copy_one(
+        self,
+        view: View,
+        dst_key: int,
+        dst: Span | None,
+        dst_off: int,
+        src_key: int,
+        src: Span | None,
+        src_off: int,
+        n: int,
+        sync: bool,
+    ) -> Completion:
+        """One piece without arrays: ``dst``/``src`` are the spans of the near side."""
+        far = self._far(view, dst_key) if src is not None else None
+        if far is not None:
+            write, near, far_key, remote = True, src, dst_key, far[1] + dst_off
+        else:
+            far = self._far(view, src_key)
+            if far is None or dst is None:
+                raise PlatformError("remote transport was handed a copy it cannot serve")
+            write, near, far_key, remote = False, dst, src_key, far[1] + src_off
+        assert near is not None
+        if id(near.buffer) not in self._reg.ids or near.buffer.freed:
+            self._purge_freed()
+            self._register(near.buffer)
+        what = (
+            f"remote {'write' if write else 'read'} of {n} B {'to' if write else 'from'} rank "
+            f"{view.rank_of(far_key)} at {far[0]}"
+        )
+        return self.engine.transfer(far[0], write, [near.ptr], [remote], [n], sync, what)
 
     def close(self) -> None:
         with self._reg.lock:
