@@ -10,12 +10,13 @@ A local buffer counts as this process's own rank for rule matching.
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from kvfabric.envs import MC_TCP_BIND_ADDRESS
 
 KNOWN_TRANSPORTS = ("mapped", "remote")
 
@@ -81,7 +82,7 @@ class GvaConfig:
     dram_stride: int = 0
     hbm_stride: int = 0
     remote_engine: str = "mooncake"
-    remote_host: str = field(default_factory=lambda: os.environ.get("MC_TCP_BIND_ADDRESS") or "127.0.0.1")
+    remote_host: str = field(default_factory=lambda: MC_TCP_BIND_ADDRESS.get() or "127.0.0.1")
     copy_streams: int = 1
     join_timeout: float = 30.0
     heartbeat_ttl: float = 3.0
