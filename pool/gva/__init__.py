@@ -15,7 +15,7 @@ The API the object pool builds on (all in :class:`~kvfabric.pool.gva.fabric.Fabr
    ``fab.local_address(gva, n) -> int`` for any window mapped in this process (this
    rank's own and same-node ranks'); well under a microsecond of Python per call.
 3. Copies: ``fab.xcopy(dst, src, n)`` / ``fab.batch_xcopy(CopyBatch or [(dst, src, n)])``
-   return an :class:`~kvfabric.pool.gva.xcopy.XferHandle` (``check``, ``wait``, per-item
+   return an :class:`~kvfabric.pool.gva.handle.XferHandle` (``check``, ``wait``, per-item
    ``status``); ``xcopy_sync`` / ``batch_xcopy_sync`` block and raise ``TransferFailed``.
    Each end is a GVA, a local ``Buffer``/``Span``, or a local address (any int below
    ``GVA_FLOOR``), so many local pieces go into one GVA region (and back) in one call.
@@ -42,8 +42,8 @@ _EXPORTS = {
     "Fabric": "kvfabric.pool.gva.fabric",
     "FabricState": "kvfabric.pool.gva.fabric",
     "MembershipChange": "kvfabric.pool.gva.fabric",
-    "XferHandle": "kvfabric.pool.gva.xcopy",
-    "ItemStatus": "kvfabric.pool.gva.xcopy",
+    "XferHandle": "kvfabric.pool.gva.handle",
+    "ItemStatus": "kvfabric.pool.gva.handle",
 }
 
 

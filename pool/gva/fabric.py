@@ -50,17 +50,20 @@ from kvfabric.errors import KVFabricError, RankUnavailable
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.registry import create
-from kvfabric.platform.types import BufferKind, CopyBatch, Medium, Span
+from kvfabric.platform.types import CopyBatch, Medium, Span
 from kvfabric.pool.gva import membership
-from kvfabric.pool.gva.address import MEDIUM_REGION, REGION_BITS, AddressSpace, Gva
+from kvfabric.pool.gva.address import REGION_BITS, AddressSpace, Gva
 from kvfabric.pool.gva.config import GvaConfig
+from kvfabric.pool.gva.handle import XferHandle, submit
 from kvfabric.pool.gva.monitor import Monitor
 from kvfabric.pool.gva.rendezvous import connect
 from kvfabric.pool.gva.rendezvous.base import KVStore
-from kvfabric.pool.gva.segments import MemberRecord, SegmentTable, WindowRecord
+from kvfabric.pool.gva.segments import MemberRecord, SegmentTable
+from kvfabric.pool.gva.single import copy_one
 from kvfabric.pool.gva.transports import Transport, TransportContext, build
-from kvfabric.pool.gva.view import Endpoint, MappedWindow, View, end_key
-from kvfabric.pool.gva.xcopy import XferHandle, as_batch, copy_one, plan, submit
+from kvfabric.pool.gva.view import MappedWindow, View
+from kvfabric.pool.gva.windows import map_table, prepare
+from kvfabric.pool.gva.xcopy import as_batch, plan
 
 log = logging.getLogger("kvfabric.gva")
 _MASK = (1 << REGION_BITS) - 1
@@ -136,34 +139,15 @@ class Fabric:
         try:
             fab._join(windows or {}, rank)
         except BaseException:
+            fab.state = FabricState.LEFT
+            fab._retire_self()  # a join that got half-way leaves no member record behind
             fab._teardown()
             raise
         return fab
 
     def _join(self, windows: Mapping[Medium | str, int | Buffer], rank: int | None) -> None:
         cfg, plat = self.config, self.platform
-        records = []
-        for med_key, spec in windows.items():
-            med = Medium.parse(med_key)
-            if med in self._windows:
-                raise ValueError(
-                    f"two windows of medium {med.value}: a rank contributes at most one per medium"
-                )
-            if isinstance(spec, Buffer):
-                if spec.platform is not plat:
-                    raise ValueError(f"window {spec!r} belongs to another platform instance")
-                if spec.medium is not med:
-                    raise ValueError(f"window {spec!r} is {spec.medium.value}, given as {med.value}")
-                buf = spec
-            else:
-                if isinstance(spec, bool) or not isinstance(spec, int) or spec <= 0:
-                    raise ValueError(f"window size for {med.value} must be an int > 0, got {spec!r}")
-                buf = plat.alloc(spec, med, shareable=True)
-                self._owned_windows.append(buf)
-            exportable = buf.kind is BufferKind.OWNED and buf.shareable
-            handle = plat.export_handle(buf) if exportable else b""
-            self._windows[med] = buf
-            records.append(WindowRecord(med.value, buf.nbytes, handle, buf.ptr))
+        self._windows, records = prepare(plat, windows, self._owned_windows)
         ctx = TransportContext(plat, cfg, -1, self.node)
         names = list(dict.fromkeys([*cfg.transports, *(t for r in cfg.pair_rules for t in r.transports)]))
         routes: dict[str, str] = {}
@@ -197,12 +181,15 @@ class Fabric:
         if self._monitor is not None:
             self._monitor.stop.set()
         if was_member:
-            try:
-                membership.remove(self.store, self.config.namespace, self.token)
-                self.store.delete(membership.alive_key(self.config.namespace, self.token))
-            except KVFabricError as e:
-                log.warning("rank %d: could not retire itself cleanly: %s", self.rank, e)
+            self._retire_self()
         self._teardown()
+
+    def _retire_self(self) -> None:
+        try:
+            membership.remove(self.store, self.config.namespace, self.token)
+            self.store.delete(membership.alive_key(self.config.namespace, self.token))
+        except KVFabricError as e:
+            log.warning("rank %d: could not retire itself cleanly: %s", self.rank, e)
 
     close = leave
 
@@ -248,45 +235,17 @@ class Fabric:
                 table.version <= old.version and self._view.rank >= 0
             ):
                 return
-            mapped_ok = any(n == "mapped" for n in self._transports)
-            ends: dict[int, Endpoint] = {}
-            live: set[tuple[str, Medium]] = set()
-            for seg in table.segments:
-                key = end_key(MEDIUM_REGION[seg.medium], seg.rank)
-                if seg.member.token == self.token:
-                    buf = self._windows[seg.medium]
-                    ends[key] = Endpoint(seg, buf.ptr, buf, None)
-                    continue
-                mkey = (seg.member.token, seg.medium)
-                m = self._maps.get(mkey)
-                can_map = (
-                    mapped_ok
-                    and seg.node == self.node
-                    and seg.member.platform == self.platform.name
-                    and bool(seg.window.handle)
-                )
-                if m is None and can_map:
-                    try:
-                        m = MappedWindow(seg, self.platform.import_handle(seg.window.handle))
-                        self._maps[mkey] = m
-                    except (KVFabricError, ValueError, OSError) as e:
-                        log.warning(
-                            "rank %d: cannot map rank %d's %s window: %s",
-                            self.rank,
-                            seg.rank,
-                            seg.medium.value,
-                            e,
-                        )
-                if m is not None:
-                    live.add(mkey)
-                    ends[key] = Endpoint(seg, m.buffer.ptr, m.buffer, m)
-                else:
-                    ends[key] = Endpoint(seg, 0, None, None)
-            now = time.monotonic()
-            for mkey in [k for k in self._maps if k not in live]:
-                m = self._maps.pop(mkey)
-                m.retired_at = now
-                self._retired.append(m)
+            ends, retired = map_table(
+                table,
+                self.platform,
+                token=self.token,
+                node=self.node,
+                rank=self.rank,
+                own=self._windows,
+                maps=self._maps,
+                can_map="mapped" in self._transports,
+            )
+            self._retired.extend(retired)
             self._view = View(table, self.rank, ends)
             for t in self._transports.values():
                 t.update(self._view)

@@ -9,40 +9,28 @@ cross a window's end), the table version the caller computed the addresses under
 ranges inside live buffers, and a transport for every group. Any failure raises
 (``ValueError``/``TypeError`` for bad input, ``RankUnavailable`` for a rank that is not
 in the table, ``StaleSegmentTable``, ``TransferFailed`` when no transport can serve a
-pair) and nothing is written.
-
-:class:`XferHandle` is what an asynchronous xcopy returns: ``check()`` polls,
-``wait(timeout)`` blocks, ``status`` is a per-item :class:`ItemStatus` array (a failed
-group marks its items ``FAILED``; other groups are unaffected), ``errors`` lists why.
+pair) and nothing is written. ``handle.submit`` then runs the groups; ``single.py`` is
+the one-piece path.
 """
 
 from __future__ import annotations
 
-import enum
-import threading
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvfabric.errors import KVFabricError, RankUnavailable, StaleSegmentTable, TransferFailed
+from kvfabric.errors import RankUnavailable, StaleSegmentTable, TransferFailed
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import CopyBatch, Span
-from kvfabric.pool.gva.address import GVA_FLOOR, MEDIUM_REGION, REGION_MEDIUM, decode_many
-from kvfabric.pool.gva.transports.base import Completion, GroupPlan, Transport
-from kvfabric.pool.gva.view import LOCAL_KEY, RANK_BITS, MappedWindow, View
+from kvfabric.pool.gva.address import REGION_MEDIUM, decode_many
+from kvfabric.pool.gva.transports.base import GroupPlan, Transport
+from kvfabric.pool.gva.view import LOCAL_KEY, RANK_BITS, View
 
 if TYPE_CHECKING:
     from kvfabric.platform.base import Platform
     from kvfabric.pool.gva.config import GvaConfig
-
-
-class ItemStatus(enum.IntEnum):
-    PENDING = 0
-    OK = 1
-    FAILED = 2
 
 
 def as_batch(items: CopyBatch | Iterable[tuple[Any, Any, int]]) -> CopyBatch:
@@ -210,201 +198,3 @@ def plan(
         if local_s.any():
             platform.media_of(batch.src[local_s], n[local_s], "src")
     return Planned(int(n.size), tuple(groups), tuple(chosen))
-
-
-class XferHandle:
-    """An xcopy in flight (see module docstring). Thread-safe; one consumer waits."""
-
-    def __init__(self, n: int) -> None:
-        self.status = np.zeros(n, np.int8)
-        self.errors: list[tuple[np.ndarray, BaseException]] = []
-        self._parts: list[tuple[np.ndarray, Completion, list[MappedWindow]]] = []
-        self._lock = threading.Lock()
-
-    def _add(self, index: np.ndarray, comp: Completion, pins: list[MappedWindow]) -> None:
-        self._parts.append((index, comp, pins))
-
-    def _fail(self, index: np.ndarray, err: BaseException) -> None:
-        self.status[index] = ItemStatus.FAILED
-        self.errors.append((index, err))
-
-    def _finish(self, k: int, timeout: float | None) -> None:
-        index, comp, pins = self._parts[k]
-        try:
-            comp.wait(timeout)
-        except TimeoutError:
-            raise
-        except KVFabricError as e:
-            self._fail(index, e)
-        else:
-            self.status[index] = ItemStatus.OK
-        for m in pins:
-            m.unpin()
-        self._parts[k] = (index, comp, [])
-
-    def check(self) -> bool:
-        """True when every item has finished (successfully or not); never blocks."""
-        with self._lock:
-            for k, (index, comp, _pins) in enumerate(self._parts):
-                if self.status[index[0]] == ItemStatus.PENDING and comp.done():
-                    self._finish(k, 0)
-            return not (self.status == ItemStatus.PENDING).any()
-
-    def wait(self, timeout: float | None = None) -> np.ndarray:
-        """Block until every item finished; the status array. ``TimeoutError`` on expiry."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            for k, (index, _comp, _pins) in enumerate(self._parts):
-                if self.status[index[0]] == ItemStatus.PENDING:
-                    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                    self._finish(k, left)
-        return self.status
-
-    @property
-    def ok(self) -> bool:
-        return bool((self.status == ItemStatus.OK).all())
-
-    def raise_for_status(self) -> None:
-        """``TransferFailed`` naming the failed items, chained to the first failure."""
-        if self.errors:
-            failed = int((self.status == ItemStatus.FAILED).sum())
-            index, err = self.errors[0]
-            raise TransferFailed(
-                f"{failed} of {self.status.size} xcopy item(s) failed (first: item {int(index[0])}: {err})"
-            ) from err
-
-
-def submit(view: View, planned: Planned, sync: bool) -> XferHandle:
-    """Run every group of ``planned``; failures land in the handle, never half-raised."""
-    h = XferHandle(planned.n)
-    for g, t in zip(planned.groups, planned.transports):
-        pins: list[MappedWindow] = []
-        try:
-            for key in (g.src_key, g.dst_key):
-                e = view.ends.get(key) if key != LOCAL_KEY else None
-                if e is not None and e.mapped is not None and t.name == "mapped":
-                    e.mapped.pin()
-                    pins.append(e.mapped)
-            comp = t.submit(view, g, sync)
-        except (KVFabricError, OSError) as err:
-            for m in pins:
-                m.unpin()
-            h._fail(g.index, err)
-            continue
-        if sync:
-            for m in pins:
-                m.unpin()
-            h.status[g.index] = ItemStatus.OK
-        else:
-            h._add(g.index, comp, pins)
-    return h
-
-
-def pack(ends: Sequence[Any]) -> np.ndarray:
-    """uint64 addresses of GVAs, local addresses, buffers and spans."""
-    out = np.empty(len(ends), np.uint64)
-    for i, e in enumerate(ends):
-        out[i] = e.ptr if isinstance(e, (Buffer, Span)) else int(e)
-    return out
-
-
-def _scalar_end(
-    view: View, cfg: GvaConfig, platform: Platform, end: Any, n: int, what: str, version: int | None
-) -> tuple[int, Span | None, int]:
-    """(group key, span here or None, window offset) of one end of a one-piece copy, validated."""
-    if isinstance(end, Span):
-        if n > end.nbytes:
-            raise ValueError(f"{what}: {n} B do not fit in a local span of {end.nbytes} B")
-        return LOCAL_KEY, Span(end.buffer, end.offset, n), 0
-    if isinstance(end, Buffer):
-        if n > end.nbytes:
-            raise ValueError(f"{what}: {n} B do not fit in a local buffer of {end.nbytes} B")
-        return LOCAL_KEY, Span(end, 0, n), 0
-    if isinstance(end, bool) or not isinstance(end, (int, np.integer)):
-        raise TypeError(
-            f"{what} must be a GVA, a local address, a Buffer or a Span, got {type(end).__name__}"
-        )
-    g = int(end)
-    a = cfg.alignment
-    if g < GVA_FLOOR:
-        if g <= 0:
-            raise ValueError(f"{what} {g:#x} is neither a local address nor a GVA")
-        if a > 1 and (g | n) & (a - 1):
-            raise ValueError(f"{what} {g:#x} or size {n} is not {a}-byte aligned")
-        return LOCAL_KEY, platform.find(g, n), 0
-    seg, off = view.table.locate(g, n, version)
-    if a > 1 and (off | n) & (a - 1):
-        raise ValueError(f"{what} {g:#x} (offset {off}) or size {n} is not {a}-byte aligned")
-    key = (MEDIUM_REGION[seg.medium] << RANK_BITS) | seg.rank
-    e = view.ends.get(key)
-    if e is None or not e.ptr or e.buffer is None:
-        return key, None, off
-    return key, Span(e.buffer, off, n), off
-
-
-def copy_one(
-    view: View,
-    cfg: GvaConfig,
-    platform: Platform,
-    transports: dict[str, Transport],
-    dst: Any,
-    src: Any,
-    nbytes: int | None,
-    version: int | None,
-    sync: bool,
-) -> XferHandle | None:
-    """One piece: a direct platform copy when both ends are mapped here (``None`` back on
-    the synchronous path), else the batch path with one item."""
-    if nbytes is None:
-        sizes = [e.nbytes for e in (src, dst) if isinstance(e, (Buffer, Span))]
-        if not sizes:
-            raise ValueError("xcopy between two addresses needs nbytes")
-        nbytes = sizes[0]
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
-        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
-    n = int(nbytes)
-    if n <= 0:
-        raise ValueError(f"nbytes must be > 0, got {n}")
-    dkey, dspan, doff = _scalar_end(view, cfg, platform, dst, n, "dst", version)
-    skey, sspan, soff = _scalar_end(view, cfg, platform, src, n, "src", version)
-    t: Transport | None = None
-    if dspan is not None and sspan is not None:  # both ends addressable here
-        allowed = cfg.allowed(view.rank_of(skey), view.rank_of(dkey)) if cfg.pair_rules else cfg.transports
-        if allowed[0] == "mapped":
-            t = transports.get("mapped")
-    if t is None:
-        t = choose(view, cfg, transports, skey, dkey)
-    if t.name == "mapped" and dspan is not None and sspan is not None:
-        pins = [e.mapped for k in (skey, dkey) if k != LOCAL_KEY and (e := view.ends[k]).mapped is not None]
-        for m in pins:
-            m.pin()
-        try:
-            comp = t.copy_spans(dspan, sspan, sync)  # type: ignore[attr-defined]
-        except BaseException:
-            for m in pins:
-                m.unpin()
-            raise
-        if sync:
-            for m in pins:
-                m.unpin()
-            return None
-        h = XferHandle(1)
-        h._add(np.zeros(1, np.int64), comp, pins)
-        return h
-    one = getattr(t, "copy_one", None)
-    if one is not None:  # a transport with its own one-piece path (no arrays)
-        comp = one(view, dkey, dspan, doff, skey, sspan, soff, n, sync)
-        if sync:
-            comp.wait()
-            return None
-        h = XferHandle(1)
-        h._add(np.zeros(1, np.int64), comp, [])
-        return h
-    d = np.array([dspan.ptr if dkey == LOCAL_KEY and dspan is not None else _raw(dst)], np.uint64)
-    s = np.array([sspan.ptr if skey == LOCAL_KEY and sspan is not None else _raw(src)], np.uint64)
-    planned = plan(view, cfg, platform, transports, CopyBatch(d, s, np.array([n], np.uint64)), version)
-    return submit(view, planned, sync)
-
-
-def _raw(end: Any) -> int:
-    return end.ptr if isinstance(end, (Buffer, Span)) else int(end)

@@ -10,14 +10,17 @@ import numpy as np
 import pytest
 from etcd_server import etcd_binary, etcd_server
 from gva_worker import Worker
+from kvf_testing import segments
 
 from kvfabric.errors import RankUnavailable, StaleSegmentTable, TransferFailed
 from kvfabric.platform.types import CopyBatch, Medium
+from kvfabric.pool.gva import membership
 from kvfabric.pool.gva.address import GVA_END
 from kvfabric.pool.gva.config import GvaConfig
 from kvfabric.pool.gva.fabric import Fabric, FabricState
+from kvfabric.pool.gva.handle import ItemStatus
+from kvfabric.pool.gva.rendezvous import connect
 from kvfabric.pool.gva.rendezvous.server import RendezvousServer
-from kvfabric.pool.gva.xcopy import ItemStatus
 
 WIN = 1 << 20
 
@@ -50,7 +53,7 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(pool):
         ((gb + WIN + 64, src.ptr, 64), ValueError, "outside the window"),
         ((gb + WIN - 64, src.ptr, 128), ValueError, "crosses the end"),
         ((GVA_END + 64, src.ptr, 64), ValueError, "neither a local address nor a GVA"),
-        ((gb, src.ptr + (64 << 10), 64), ValueError, "not inside any live buffer"),
+        ((gb, 0x1000, 64), ValueError, "not inside any live buffer"),
         ((gb + (8 << 20), src.ptr, 64), RankUnavailable, "not a member"),
     ]
     for bad, exc, match in cases:
@@ -158,3 +161,16 @@ def test_pool_over_etcd_notices_a_killed_rank():
         finally:
             me.leave()
             w.stop()
+
+
+def test_a_failed_join_leaves_nothing_behind(pool, isolated_shm):
+    srv, a, b = pool
+    before = segments(isolated_shm)
+    with pytest.raises(ValueError, match="already held"):
+        Fabric.join(srv.url, "sim", {"dram": WIN}, rank=b.rank)
+    with pytest.raises(ValueError, match="must be an int > 0"):
+        Fabric.join(srv.url, "sim", {"dram": 0})
+    assert segments(isolated_shm) == before  # the windows it allocated were freed
+    with connect(srv.url) as s:
+        alive = s.range(membership.alive_prefix(a.config.namespace))[0]
+    assert len(alive) == 2 and sorted(m.token for m in a.table.members) == sorted([a.token, b.token])
