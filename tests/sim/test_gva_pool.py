@@ -202,3 +202,35 @@ def test_join_with_zero_windows_and_leave_hooks(server):
     finally:
         meta.leave()
         local.leave()
+
+
+@pytest.mark.parametrize("spec", ["cuda-fake", "ascend-fake"])
+def test_pool_on_the_device_platform_classes(server, spec):
+    """The real CUDA / Ascend platform classes (on the host-memory runtime): device windows
+    in three processes, copies H2D, D2D between processes, D2H, with directions inferred."""
+    from platforms import build
+
+    workers = _start(server.url, 2, {"hbm": WIN}, spec=spec)
+    plat = build(spec)
+    me = Fabric.join(server.url, plat, {"hbm": WIN})
+    try:
+        me.wait_for(lambda t: len(t.members) == 3, 30)
+        a, b = workers
+        ga, gb, gm = (me.gva("hbm", 0, rank=r) for r in (a.rank, b.rank, me.rank))
+        host = plat.alloc(WIN, "dram")
+        host.numpy()[:] = pattern(WIN, 77)
+        me.xcopy_sync(ga + 4096, host.at(0, 65536))  # H2D into rank a's device window
+        b.ok("xcopy", gm + 100, ga + 4096, 65536)  # D2D, issued by a third process
+        a.ok("batch", [(gb, gm + 100, 32768), (gb + 32768, ga + 4096 + 32768, 32768)])
+        back = plat.alloc(WIN, "dram")
+        h = me.batch_xcopy([(back.ptr, gb, 65536), (back.ptr + 65536, gb + 65536, 4096)])  # D2H
+        assert h.wait().tolist() == [1, 1]  # no timeout: the fake runtime copies only when waited on
+        np.testing.assert_array_equal(back.numpy()[:65536], host.numpy()[:65536])
+        np.testing.assert_array_equal(
+            back.numpy()[65536 : 65536 + 4096], pattern(WIN, b.rank)[65536 : 65536 + 4096]
+        )
+    finally:
+        me.leave()
+        plat.close()
+        for w in workers:
+            w.stop()

@@ -1,7 +1,8 @@
 """A pool rank in a child process, driven over a pipe by a test (multiprocessing spawn).
 
-``Worker.start(url, windows, ...)`` spawns a fresh interpreter that joins the pool with
-its windows (each filled with ``pattern(nbytes, seed=rank)``), then runs commands:
+``Worker.start(url, windows, spec="sim", ...)`` spawns a fresh interpreter that builds the
+platform ``spec`` (see ``platforms.py``), joins the pool with its windows (each filled
+with ``pattern(nbytes, seed=rank)``), then runs commands:
 
 * ``("xcopy", dst, src, n)`` / ``("batch", [(dst, src, n), ...])``: synchronous copies;
   the reply is ``("ok",)`` or ``("error", type name, message)``;
@@ -26,20 +27,29 @@ def pattern(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-def _main(conn: Connection, url: str, windows: dict[str, int], cfg_kwargs: dict[str, Any], env: dict) -> None:
+def _main(
+    conn: Connection, url: str, windows: dict[str, int], cfg_kwargs: dict[str, Any], env: dict, spec: str
+) -> None:
     os.environ.update(env)
+    from platforms import build
+
     from kvfabric.errors import KVFabricError
     from kvfabric.pool.gva.config import GvaConfig
     from kvfabric.pool.gva.fabric import Fabric
 
+    plat = build(spec)
     try:
-        fab = Fabric.join(url, "sim", windows, config=GvaConfig(**cfg_kwargs))
+        fab = Fabric.join(url, plat, windows, config=GvaConfig(**cfg_kwargs))
     except Exception as e:  # noqa: BLE001 - reported to the parent
         conn.send(("error", type(e).__name__, str(e)))
+        plat.close()
         return
     for med in windows:
         w = fab.window(med)
-        w.numpy()[:] = pattern(w.nbytes, fab.rank)
+        host = plat.alloc(w.nbytes, "dram")
+        host.numpy()[:] = pattern(w.nbytes, fab.rank)
+        plat.copy(w, host)  # device windows are filled through a host buffer
+        plat.free(host)
     conn.send(("ready", fab.rank))
     try:
         while True:
@@ -77,6 +87,7 @@ def _main(conn: Connection, url: str, windows: dict[str, int], cfg_kwargs: dict[
         pass
     finally:
         fab.leave()
+        plat.close()
 
 
 @dataclass
@@ -86,11 +97,13 @@ class Worker:
     rank: int
 
     @classmethod
-    def start(cls, url: str, windows: dict[str, int], timeout: float = 60.0, **cfg: Any) -> Worker:
+    def start(
+        cls, url: str, windows: dict[str, int], timeout: float = 60.0, spec: str = "sim", **cfg: Any
+    ) -> Worker:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         env = {"KVFABRIC_SHM_DIR": os.environ.get("KVFABRIC_SHM_DIR", "/dev/shm")}
-        proc = ctx.Process(target=_main, args=(child, url, windows, cfg, env), daemon=True)
+        proc = ctx.Process(target=_main, args=(child, url, windows, cfg, env, spec), daemon=True)
         proc.start()
         child.close()
         if not parent.poll(timeout):
