@@ -174,3 +174,44 @@ def test_a_failed_join_leaves_nothing_behind(pool, isolated_shm):
     with connect(srv.url) as s:
         alive = s.range(membership.alive_prefix(a.config.namespace))[0]
     assert len(alive) == 2 and sorted(m.token for m in a.table.members) == sorted([a.token, b.token])
+
+
+def test_concurrent_joins_get_distinct_ranks_and_one_table():
+    import threading
+
+    with RendezvousServer() as srv:
+        fabs: list[Fabric] = []
+        lock = threading.Lock()
+
+        def join():
+            f = Fabric.join(srv.url, "sim", {"dram": 1 << 20})
+            with lock:
+                fabs.append(f)
+
+        ts = [threading.Thread(target=join) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        try:
+            assert sorted(f.rank for f in fabs) == [0, 1, 2, 3]
+            tables = [f.wait_for(lambda t: len(t.members) == 4, 10) for f in fabs]
+            assert all(t == tables[0] for t in tables) and tables[0].version == 4
+        finally:
+            for f in fabs:
+                f.leave()
+
+
+def test_losing_the_rendezvous_store_evicts_the_rank():
+    srv = RendezvousServer().start()
+    a = Fabric.join(srv.url, "sim", {"dram": 1 << 20})
+    try:
+        srv.close()
+        deadline = time.monotonic() + 10
+        while a.state is FabricState.JOINED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a.state is FabricState.EVICTED
+        with pytest.raises(RankUnavailable, match="session lost"):
+            a.xcopy_sync(a.gva("dram", 0), a.gva("dram", 4096), 64)
+    finally:
+        a.leave()

@@ -185,3 +185,31 @@ def test_unix_socket_server(tmp_path):
         assert srv.url == f"kvf+unix://{path}"
         s.set("u", b"1")
         assert s.get("u") == b"1"
+
+
+def test_a_hung_process_loses_its_session_after_the_ttl():
+    """SIGSTOP: the socket stays open, the heartbeats stop; the server drops the session."""
+    import os
+    import signal
+
+    with RendezvousServer(session_ttl=1.0) as srv, connect(srv.url) as watcher:
+        code = textwrap.dedent(f"""
+            import time
+            from kvfabric.pool.gva.rendezvous import connect
+            s = connect({srv.url!r})
+            s.set("hung/child", b"alive", ephemeral=True)
+            print("ready", flush=True)
+            time.sleep(600)
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            kv = watcher.try_get("hung/child")
+            time.sleep(1.5)  # heartbeats keep a live session beyond its ttl
+            assert watcher.try_get("hung/child") is not None
+            os.kill(proc.pid, signal.SIGSTOP)
+            evs, _ = watcher.watch("hung/", kv.revision, 10)
+            assert evs and evs[0].value is None
+        finally:
+            proc.kill()
+            proc.wait()
