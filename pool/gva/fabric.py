@@ -120,19 +120,25 @@ class Fabric:
     ) -> Fabric:
         """Join the pool at ``store`` (a ``KVStore`` or its url) contributing ``windows``."""
         cfg = config or GvaConfig()
-        plat = create(platform) if platform is None or isinstance(platform, str) else platform
-        if not isinstance(plat, Platform):
-            raise TypeError(f"platform must be a Platform, a name or None, got {type(platform).__name__}")
+        if not isinstance(cfg, GvaConfig):
+            raise TypeError(f"config must be a GvaConfig, got {type(cfg).__name__}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
             raise ValueError(f"rank must be an int >= 0 or None, got {rank!r}")
-        owned_store = isinstance(store, str)
-        st = (
-            connect(store, **({"ttl": cfg.heartbeat_ttl} if store.startswith("etcd") else {}))
-            if owned_store
-            else store
-        )  # type: ignore[union-attr]
-        if not isinstance(st, KVStore):
+        if not isinstance(store, (str, KVStore)):
             raise TypeError(f"store must be a KVStore or a url, got {type(store).__name__}")
+        if platform is not None and not isinstance(platform, (str, Platform)):
+            raise TypeError(f"platform must be a Platform, a name or None, got {type(platform).__name__}")
+        owned_store = isinstance(store, str)
+        if isinstance(store, str):
+            st = connect(store, **({"ttl": cfg.heartbeat_ttl} if store.startswith("etcd://") else {}))
+        else:
+            st = store
+        try:
+            plat = platform if isinstance(platform, Platform) else create(platform)
+        except BaseException:
+            if owned_store:
+                st.close()
+            raise
         fab = cls(plat, st, cfg)
         fab._owned_platform = platform is None or isinstance(platform, str)
         fab._owned_store = owned_store
