@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvfabric.errors import KVFabricError
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import CopyBatch, Span
 from kvfabric.pool.gva.address import GVA_FLOOR, MEDIUM_REGION
@@ -29,20 +30,19 @@ def _scalar_end(
     view: View, cfg: GvaConfig, platform: Platform, end: Any, n: int, what: str, version: int | None
 ) -> tuple[int, Span | None, int]:
     """(group key, span here or None, window offset) of one end of a one-piece copy, validated."""
-    if isinstance(end, Span):
-        if n > end.nbytes:
-            raise ValueError(f"{what}: {n} B do not fit in a local span of {end.nbytes} B")
-        return LOCAL_KEY, Span(end.buffer, end.offset, n), 0
-    if isinstance(end, Buffer):
-        if n > end.nbytes:
-            raise ValueError(f"{what}: {n} B do not fit in a local buffer of {end.nbytes} B")
-        return LOCAL_KEY, Span(end, 0, n), 0
+    a = cfg.alignment
+    if isinstance(end, (Span, Buffer)):
+        span = end if isinstance(end, Span) else Span(end, 0, end.nbytes)
+        if n > span.nbytes:
+            raise ValueError(f"{what}: {n} B do not fit in a local span of {span.nbytes} B")
+        if a > 1 and (span.ptr | n) & (a - 1):
+            raise ValueError(f"{what} {span.ptr:#x} or size {n} is not {a}-byte aligned")
+        return LOCAL_KEY, Span(span.buffer, span.offset, n), 0
     if isinstance(end, bool) or not isinstance(end, (int, np.integer)):
         raise TypeError(
             f"{what} must be a GVA, a local address, a Buffer or a Span, got {type(end).__name__}"
         )
     g = int(end)
-    a = cfg.alignment
     if g < GVA_FLOOR:
         if g <= 0:
             raise ValueError(f"{what} {g:#x} is neither a local address nor a GVA")
@@ -110,12 +110,14 @@ def copy_one(
         return h
     one = getattr(t, "copy_one", None)
     if one is not None:  # a transport with its own one-piece path (no arrays)
-        comp = one(view, dkey, dspan, doff, skey, sspan, soff, n, sync)
         if sync:
-            comp.wait()
+            one(view, dkey, dspan, doff, skey, sspan, soff, n, True).wait()
             return None
         h = XferHandle(1)
-        h._add(np.zeros(1, np.int64), comp, [])
+        try:
+            h._add(np.zeros(1, np.int64), one(view, dkey, dspan, doff, skey, sspan, soff, n, False), [])
+        except KVFabricError as err:  # as in the batch path: a failed item, not an exception
+            h._fail(np.zeros(1, np.int64), err)
         return h
     d = np.array([dspan.ptr if dkey == LOCAL_KEY and dspan is not None else _raw(dst)], np.uint64)
     s = np.array([sspan.ptr if skey == LOCAL_KEY and sspan is not None else _raw(src)], np.uint64)

@@ -69,6 +69,10 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(pool):
         a.xcopy_sync("gva", src, 64)
     with pytest.raises(ValueError, match="do not fit"):
         a.xcopy_sync(gb, src.at(0, 64), 128)
+    with pytest.raises(ValueError, match="aligned"):
+        a.xcopy_sync(gb, src.at(3, 64), 64)  # a local end must be aligned too
+    with pytest.raises(ValueError, match="aligned"):
+        a.xcopy_sync(gb + 64, gb + 3, 64)  # unaligned GVA source
     assert (dst == 0xEE).all()
     a.xcopy_sync(gb, src, 4096)
     assert (dst[:4096] == 1).all() and (dst[4096:] == 0xEE).all()
