@@ -219,3 +219,25 @@ def test_losing_the_rendezvous_store_evicts_the_rank():
             a.xcopy_sync(a.gva("dram", 0), a.gva("dram", 4096), 64)
     finally:
         a.leave()
+
+
+def test_a_departed_window_is_unmapped_after_its_grace_and_not_under_a_copy():
+    from kvfabric.platform.types import BufferKind
+
+    with RendezvousServer() as srv:
+        a = Fabric.join(srv.url, "sim", {"dram": WIN}, config=GvaConfig(unmap_grace=2.0))
+        b = Fabric.join(srv.url, "sim", {"dram": WIN})
+        try:
+            a.wait_for(lambda t: len(t.members) == 2, 10)
+            imported = [x for x in a.platform.buffers() if x.kind is BufferKind.IMPORTED]
+            assert len(imported) == 1
+            span = a.resolve(a.gva("dram", 0, rank=b.rank), 64)
+            b.leave()
+            a.wait_for(lambda t: len(t.members) == 1, 10)
+            span.buffer.numpy()[:64] = 7  # still mapped during the grace period
+            deadline = time.monotonic() + 10
+            while not imported[0].freed and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert imported[0].freed
+        finally:
+            a.leave()
