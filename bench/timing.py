@@ -1,7 +1,8 @@
 """Interleaved timing of an operation and its baseline, with per-call percentiles.
 
-Each round runs every call of ``ours`` then every call of ``base`` (ABAB, so both see
-the same machine load); figures are medians over rounds, percentiles over every call.
+Each round alternates call by call between ``ours`` and ``base`` (A B A B ..., so both
+see the same moment's machine load); figures are medians over rounds of the mean time
+per call, percentiles over every call.
 The CPU busy fraction over the measurement tells whether the other cores were busy.
 """
 
@@ -34,16 +35,25 @@ def measure(ours: Sequence[Callable[[], Any]], base: Sequence[Callable[[], Any]]
         f()
     a_rounds, b_rounds, a_calls, b_calls = [], [], [], []
     row0 = read_cpu_row()
+    n = max(len(ours), len(base))
+    clock = time.perf_counter
     for _ in range(rounds):
-        for fns, per_round, calls in ((ours, a_rounds, a_calls), (base, b_rounds, b_calls)):
-            t_round = 0.0
-            for f in fns:
-                t0 = time.perf_counter()
-                f()
-                dt = time.perf_counter() - t0
-                calls.append(dt)
-                t_round += dt
-            per_round.append(t_round / len(fns))
+        ta = tb = 0.0
+        for i in range(n):  # call by call: A B A B, so both see the same moment's load
+            if i < len(ours):
+                t0 = clock()
+                ours[i]()
+                dt = clock() - t0
+                a_calls.append(dt)
+                ta += dt
+            if i < len(base):
+                t0 = clock()
+                base[i]()
+                dt = clock() - t0
+                b_calls.append(dt)
+                tb += dt
+        a_rounds.append(ta / len(ours))
+        b_rounds.append(tb / len(base))
     busy = cpu_busy_fraction((row0, read_cpu_row()))
     a = np.array(a_calls) * 1e6
     b = np.array(b_calls) * 1e6
