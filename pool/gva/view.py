@@ -21,7 +21,7 @@ import numpy as np
 from kvfabric.errors import RankUnavailable
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import Medium
-from kvfabric.pool.gva.address import MEDIUM_REGION, REGION_BITS
+from kvfabric.pool.gva.address import MEDIUM_REGION
 from kvfabric.pool.gva.segments import Segment, SegmentTable
 
 RANK_BITS = 24
@@ -124,6 +124,3 @@ class View:
         e = self.ends[key]
         return offsets + np.uint64(e.ptr)
 
-
-def region_of_gva(gva: int) -> int:
-    return gva >> REGION_BITS
