@@ -104,8 +104,8 @@ def trio():
 
 
 _copy = st.tuples(
-    st.integers(0, 4),  # src window
-    st.integers(0, 4),  # dst window
+    st.integers(0, 5),  # src: one of the 5 windows, or 5 = a local buffer of this process
+    st.integers(0, 5),  # dst
     st.integers(0, 1 << 30),  # src offset seed
     st.integers(0, 1 << 30),  # dst offset seed
     st.integers(1, 40000),  # size
@@ -116,33 +116,44 @@ _copy = st.tuples(
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(copies=st.lists(_copy, min_size=1, max_size=12), seed=st.integers(0, 2**32 - 1))
 def test_random_copies_through_random_windows_keep_every_byte(trio, copies, seed):
+    """Random (src, dst, size) triples among every window and a local buffer, issued by
+    random processes; a byte-exact model of all memory is checked at the end."""
     me, workers = trio
     table = me.table
-    wins = [(s.medium, s.rank) for s in table.segments]
-    assert len(wins) == 5
-    views = {w: _window(me, w[1], w[0].value) for w in wins}
-    rng = np.random.default_rng(seed)
-    model = {}
-    for w, v in views.items():
-        v[:] = rng.integers(0, 256, v.size, dtype=np.uint8)
-        model[w] = v.copy()
-    by_rank = {w.rank: w for w in workers}
-    for si, di, so, do, n, who in copies:
-        sw, dw = wins[si], wins[di]
-        ssz, dsz = model[sw].size, model[dw].size
-        n = min(n, ssz, dsz)
-        so, do = so % (ssz - n + 1), do % (dsz - n + 1)
-        if sw == dw and so < do + n and do < so + n:
-            continue  # overlapping ranges of one window: not a memcpy
-        src = table.gva(sw[0], sw[1], so)
-        dst = table.gva(dw[0], dw[1], do)
-        if who == 0:
-            assert me.xcopy(dst, src, n).wait(30).tolist() == [1]
-        else:
-            by_rank[workers[who - 1].rank].ok("xcopy", dst, src, n)
-        model[dw][do : do + n] = model[sw][so : so + n]
-    for w in wins:
-        np.testing.assert_array_equal(views[w], model[w], err_msg=f"{w[0].value} window of rank {w[1]}")
+    ends: list = [(s.medium, s.rank) for s in table.segments]
+    assert len(ends) == 5
+    local = me.platform.alloc(96 << 10, "dram")
+    try:
+        views = {w: _window(me, w[1], w[0].value) for w in ends}
+        ends.append("local")
+        views["local"] = local.numpy()
+        rng = np.random.default_rng(seed)
+        model = {}
+        for w, v in views.items():
+            v[:] = rng.integers(0, 256, v.size, dtype=np.uint8)
+            model[w] = v.copy()
+
+        def addr(w, off: int) -> int:
+            return local.ptr + off if w == "local" else table.gva(w[0], w[1], off)
+
+        for si, di, so, do, n, who in copies:
+            sw, dw = ends[si], ends[di]
+            ssz, dsz = model[sw].size, model[dw].size
+            n = min(n, ssz, dsz)
+            so, do = so % (ssz - n + 1), do % (dsz - n + 1)
+            if sw == dw and so < do + n and do < so + n:
+                continue  # overlapping ranges of one buffer: not a memcpy
+            if "local" in (sw, dw):
+                who = 0  # only this process can address its local buffer
+            if who == 0:
+                assert me.xcopy(addr(dw, do), addr(sw, so), n).wait(30).tolist() == [1]
+            else:
+                workers[who - 1].ok("xcopy", addr(dw, do), addr(sw, so), n)
+            model[dw][do : do + n] = model[sw][so : so + n]
+        for w in ends:
+            np.testing.assert_array_equal(views[w], model[w], err_msg=f"{w}")
+    finally:
+        me.platform.free(local)
 
 
 def test_killed_rank_is_removed_and_the_rest_keep_copying(server):
