@@ -24,7 +24,7 @@ import numpy as np
 from kvfabric.errors import RankUnavailable, StaleSegmentTable, TransferFailed
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import CopyBatch, Span
-from kvfabric.pool.gva.address import REGION_MEDIUM, decode_many
+from kvfabric.pool.gva.address import GVA_FLOOR, REGION_BITS, REGION_MEDIUM, decode_many
 from kvfabric.pool.gva.transports.base import GroupPlan, Transport
 from kvfabric.pool.gva.view import LOCAL_KEY, RANK_BITS, View
 
@@ -48,8 +48,41 @@ def as_batch(items: CopyBatch | Iterable[tuple[Any, Any, int]]) -> CopyBatch:
     return CopyBatch.from_items(items)
 
 
+_LOW = (1 << REGION_BITS) - 1
+
+
 def _bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
+
+
+def _uniform_side(
+    view: View, cfg: GvaConfig, raw: np.ndarray, n: np.ndarray, version: int | None
+) -> tuple[int, np.ndarray] | None:
+    """``(key, offsets)`` when every item of a side is local memory or lies in one window,
+    validated with a handful of array operations; None sends the side to the general path
+    (which also produces the detailed error for anything wrong)."""
+    lo, hi = int(raw.min()), int(raw.max())
+    a = cfg.alignment
+    if hi < GVA_FLOOR:
+        if lo <= 0 or (a > 1 and ((raw | n) & np.uint64(a - 1)).any()):
+            return None
+        return LOCAL_KEY, raw
+    region = lo >> REGION_BITS
+    if lo < GVA_FLOOR or region != hi >> REGION_BITS or region not in REGION_MEDIUM:
+        return None
+    stride = view.table.space.stride(REGION_MEDIUM[region])
+    if not stride:
+        return None
+    rank = (lo & _LOW) // stride
+    sizes = view.cols[region][0]
+    if rank != (hi & _LOW) // stride or rank >= sizes.size or not sizes[rank]:
+        return None
+    off = raw - np.uint64((region << REGION_BITS) + rank * stride)
+    if int((off + n).max()) > int(sizes[rank]) or (a > 1 and ((off | n) & np.uint64(a - 1)).any()):
+        return None
+    if version is not None:
+        view.table.check_version(version, view.table.segment(REGION_MEDIUM[region], rank))
+    return (region << RANK_BITS) | rank, off
 
 
 def _check_side(
@@ -158,22 +191,28 @@ def plan(
     n = batch.nbytes
     if n.size == 0:
         return Planned(0, (), ())
-    if not n.all():
+    if int(n.min()) == 0:
         raise ValueError(f"item {_bad(n == 0)}: nbytes must be > 0, got 0")
-    if n.max() >= 1 << 62:
+    if int(n.max()) >= 1 << 62:
         raise ValueError(f"item {_bad(n >= 1 << 62)}: nbytes {int(n.max())} is not a size")
-    dkeys, doff = _check_side(view, cfg, "dst", batch.dst, n, version)
-    skeys, soff = _check_side(view, cfg, "src", batch.src, n, version)
-    pair = (skeys << (RANK_BITS + 2)) | dkeys
-    first = pair[0]
-    if (pair == first).all():
-        parts = [(int(skeys[0]), int(dkeys[0]), np.arange(n.size))]
+    ud = _uniform_side(view, cfg, batch.dst, n, version)
+    us = _uniform_side(view, cfg, batch.src, n, version) if ud is not None else None
+    if ud is not None and us is not None:  # the common case: one group, no per-item keys
+        (dk, doff), (sk, soff) = ud, us
+        dkeys = skeys = None
+        parts = [(sk, dk, np.arange(n.size))]
     else:
-        uniq, inv = np.unique(pair, return_inverse=True)
-        parts = []
-        for g in range(uniq.size):
-            idx = np.flatnonzero(inv == g)
-            parts.append((int(skeys[idx[0]]), int(dkeys[idx[0]]), idx))
+        dkeys, doff = _check_side(view, cfg, "dst", batch.dst, n, version)
+        skeys, soff = _check_side(view, cfg, "src", batch.src, n, version)
+        pair = (skeys << (RANK_BITS + 2)) | dkeys
+        if (pair == pair[0]).all():
+            parts = [(int(skeys[0]), int(dkeys[0]), np.arange(n.size))]
+        else:
+            uniq, inv = np.unique(pair, return_inverse=True)
+            parts = []
+            for g in range(uniq.size):
+                idx = np.flatnonzero(inv == g)
+                parts.append((int(skeys[idx[0]]), int(dkeys[idx[0]]), idx))
     groups, chosen = [], []
     for sk, dk, idx in parts:
         t = choose(view, cfg, transports, sk, dk)
@@ -192,9 +231,10 @@ def plan(
         )
         chosen.append(t)
     if len(groups) > 1 or chosen[0].name != "mapped":  # one mapped group is checked by batch_copy
-        local_d, local_s = dkeys == LOCAL_KEY, skeys == LOCAL_KEY
-        if local_d.any():
-            platform.media_of(batch.dst[local_d], n[local_d], "dst")
-        if local_s.any():
-            platform.media_of(batch.src[local_s], n[local_s], "src")
+        for keys, ends, what in ((dkeys, batch.dst, "dst"), (skeys, batch.src, "src")):
+            if keys is None:  # uniform side: all local or all in one window
+                if (groups[0].dst_key if what == "dst" else groups[0].src_key) == LOCAL_KEY:
+                    platform.media_of(ends, n, what)
+            elif (local := keys == LOCAL_KEY).any():
+                platform.media_of(ends[local], n[local], what)
     return Planned(int(n.size), tuple(groups), tuple(chosen))
