@@ -27,6 +27,7 @@ def test_bench_xcopy_quick_json():
     assert {r["nbytes"] for r in measured if r["case"] == "mapped"} >= {64 << 10, 1 << 20, 64 << 20}
     block = next(r for r in measured if r["case"] == "mapped-block")
     assert block["pieces"] == 122 and block["nbytes"] == 61 * (128 << 10) + 61 * (16 << 10)
+    assert block["memcpy_contiguous_gbps"] > 0 and block["ratio_vs_contiguous"] > 0
     for r in measured:
         for key in FIELDS:
             assert key in r, (key, r)
