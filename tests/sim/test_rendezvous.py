@@ -192,7 +192,7 @@ def test_a_hung_process_loses_its_session_after_the_ttl():
     import os
     import signal
 
-    with RendezvousServer(session_ttl=1.0) as srv, connect(srv.url) as watcher:
+    with RendezvousServer(session_ttl=2.0) as srv, connect(srv.url) as watcher:
         code = textwrap.dedent(f"""
             import time
             from kvfabric.pool.gva.rendezvous import connect
@@ -205,7 +205,7 @@ def test_a_hung_process_loses_its_session_after_the_ttl():
         try:
             assert proc.stdout.readline().strip() == "ready"
             kv = watcher.try_get("hung/child")
-            time.sleep(1.5)  # heartbeats keep a live session beyond its ttl
+            time.sleep(2.5)  # heartbeats keep a live session beyond its ttl
             assert watcher.try_get("hung/child") is not None
             os.kill(proc.pid, signal.SIGSTOP)
             evs, _ = watcher.watch("hung/", kv.revision, 10)
