@@ -120,12 +120,21 @@ KVFABRIC_LOG_LEVEL: EnvVar[str] = EnvVar(
     "Log level of the kvfabric logger.",
 )
 
+MC_TCP_BIND_ADDRESS: EnvVar[str | None] = EnvVar(
+    "MC_TCP_BIND_ADDRESS",
+    lambda s: s.strip() or None,
+    None,
+    "Mooncake's own variable: the address its transfer engine advertises; also the default "
+    "GvaConfig.remote_host (127.0.0.1 when unset).",
+)
+
 ALL: tuple[EnvVar, ...] = (
     KVFABRIC_PLATFORM,
     KVFABRIC_SHM_DIR,
     KVFABRIC_NATIVE,
     KVFABRIC_CACHE_DIR,
     KVFABRIC_LOG_LEVEL,
+    MC_TCP_BIND_ADDRESS,
 )
 
 __all__ = ["ALL", "EnvVar", "parse_size"] + [v.name for v in ALL]

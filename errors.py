@@ -42,6 +42,14 @@ class HandleError(PlatformError):
     """An IPC handle could not be decoded, or refers to memory that is gone."""
 
 
+class RankUnavailable(TransferFailed):
+    """A copy names a pool rank that is not (or no longer) in the segment table."""
+
+
+class StaleSegmentTable(KVFabricError):
+    """An address was computed under a segment table that has changed since for that rank."""
+
+
 __all__ = [
     "HandleError",
     "KVFabricError",
@@ -49,6 +57,8 @@ __all__ = [
     "LeaseExpired",
     "OutOfSpace",
     "PlatformError",
+    "RankUnavailable",
     "ServiceUnavailable",
+    "StaleSegmentTable",
     "TransferFailed",
 ]

@@ -183,6 +183,15 @@ class Platform(BackendPrimitives):
         buf, off = self._addrmap.find(int(ptr), _check_size(nbytes))
         return Span(buf, off, int(nbytes))
 
+    def media_of(self, ptrs: np.ndarray, nbytes: np.ndarray, what: str = "range") -> np.ndarray:
+        """Medium codes (0 DRAM, 1 HBM) of many address ranges, vectorised; ``ValueError``
+        naming the first range that is not inside a live buffer of this platform."""
+        p = np.ascontiguousarray(ptrs, np.uint64)
+        n = np.ascontiguousarray(nbytes, np.uint64)
+        if p.shape != n.shape or p.ndim != 1:
+            raise ValueError(f"media_of needs two 1-D arrays of one length, got {p.shape} and {n.shape}")
+        return self._addrmap.media_of(p, n, what)
+
     def buffers(self) -> list[Buffer]:
         """Every live buffer, in address order."""
         return self._addrmap.buffers()

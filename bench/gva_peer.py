@@ -1,0 +1,70 @@
+"""A pool rank in another process, for the xcopy benchmark: joins, touches its window, waits.
+
+``GvaPeer.start(url, nbytes, **config)`` spawns a fresh interpreter that joins the pool
+at ``url`` with one DRAM window of ``nbytes`` (every page written once, so nobody pays
+first-touch faults during a measurement) and stays a member until ``stop()``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+def _main(conn: Connection, url: str, nbytes: int, platform: str | None, cfg: dict[str, Any]) -> None:
+    from kvfabric.pool.gva.config import GvaConfig
+    from kvfabric.pool.gva.fabric import Fabric
+
+    try:
+        fab = Fabric.join(url, platform, {"dram": nbytes}, config=GvaConfig(**cfg))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    try:
+        fab.window("dram").numpy()[:] = 1
+        conn.send(("ready", fab.rank))
+        conn.recv()  # any message (or EOF) means stop
+    except (EOFError, OSError):
+        pass
+    finally:
+        fab.leave()
+
+
+@dataclass
+class GvaPeer:
+    proc: Any
+    conn: Connection
+    rank: int
+
+    @classmethod
+    def start(
+        cls, url: str, nbytes: int, platform: str | None = None, timeout: float = 120.0, **cfg: Any
+    ) -> GvaPeer:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_main, args=(child, url, nbytes, platform, cfg), daemon=True, name="kvfabric-gva-peer"
+        )
+        proc.start()
+        child.close()
+        if not parent.poll(timeout):
+            proc.kill()
+            raise TimeoutError(f"gva peer did not join within {timeout} s")
+        msg = parent.recv()
+        if msg[0] != "ready":
+            proc.join(10)
+            raise RuntimeError(f"gva peer failed: {msg[1]}")
+        return cls(proc, parent, msg[1])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            self.conn.send("stop")
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()

@@ -1,0 +1,104 @@
+"""``Monitor``: the thread that keeps a fabric's view current and removes dead ranks.
+
+It watches the pool's membership prefix (``{ns}/m/``) from one revision to the next:
+
+* a new membership record -> ``fabric._install`` (map new same-node windows, retire
+  those of departed ranks, tell subscribers);
+* a member whose ephemeral ``alive`` key is gone (its session ended: the process died,
+  closed its store, or missed heartbeats for ``ttl`` seconds) -> ``membership.remove``.
+  Every live member races to do this; compare-and-swap makes it happen once.
+
+Events arrive in revision order and a member's alive key is written before it enters
+the table, so "in the table but not alive" always means dead. A compacted watch
+re-reads everything with ``range``. Losing the store session ends the thread and marks
+the fabric evicted. Between events it unmaps retired windows whose grace has passed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from kvfabric.errors import ServiceUnavailable
+from kvfabric.pool.gva import membership
+from kvfabric.pool.gva.rendezvous.base import Compacted, KVStore
+from kvfabric.pool.gva.segments import SegmentTable, decode_record
+
+if TYPE_CHECKING:
+    from kvfabric.pool.gva.fabric import Fabric
+
+log = logging.getLogger("kvfabric.gva")
+
+
+class Monitor(threading.Thread):
+    """Membership watcher of one fabric (see module docstring)."""
+
+    def __init__(self, fabric: Fabric, store: KVStore, ns: str, period: float) -> None:
+        super().__init__(name=f"kvfabric-gva-monitor-{fabric.rank}", daemon=True)
+        self.fabric = fabric
+        self.store = store
+        self.ns = ns
+        self.period = period
+        self.stop = threading.Event()
+        self._prefix = membership.member_prefix(ns)
+        self._alive_prefix = membership.alive_prefix(ns)
+        self._table_key = membership.table_key(ns)
+
+    def _sync(self) -> tuple[int, bytes | None, set[str]]:
+        kvs, rev = self.store.range(self._prefix)
+        raw = None
+        alive: set[str] = set()
+        for kv in kvs:
+            if kv.key == self._table_key:
+                raw = kv.value
+            elif kv.key.startswith(self._alive_prefix):
+                alive.add(kv.key[len(self._alive_prefix) :])
+        return rev, raw, alive
+
+    def _reconcile(self, raw: bytes | None, alive: set[str]) -> None:
+        rec = decode_record(raw)
+        for m in rec.members:
+            if m.token not in alive and m.token != self.fabric.token:
+                log.warning(
+                    "rank %d (pid %d on %s) is gone: removing it from the pool", m.rank, m.pid, m.node
+                )
+                rec = membership.remove(self.store, self.ns, m.token)
+        self.fabric._install(SegmentTable.derive(rec))
+
+    def run(self) -> None:
+        rev, raw, alive = -1, None, set()
+        need_sync = True
+        while not self.stop.is_set():
+            try:
+                if need_sync:
+                    rev, raw, alive = self._sync()
+                    need_sync = False
+                    self._reconcile(raw, alive)
+                evs, rev = self.store.watch(self._prefix, rev, self.period)
+                if self.stop.is_set():
+                    return
+                changed = False
+                for ev in evs:
+                    if ev.key == self._table_key:
+                        raw, changed = ev.value, True
+                    elif ev.key.startswith(self._alive_prefix):
+                        tok = ev.key[len(self._alive_prefix) :]
+                        if ev.value is None:
+                            alive.discard(tok)
+                            changed = True
+                        else:
+                            alive.add(tok)
+                if changed:
+                    self._reconcile(raw, alive)
+                self.fabric._reap()
+            except Compacted:
+                need_sync = True
+            except ServiceUnavailable as e:
+                if not self.stop.is_set():
+                    self.fabric._session_lost(e)
+                return
+            except Exception:
+                log.exception("gva monitor of rank %d: unexpected error", self.fabric.rank)
+                self.stop.wait(self.period)
+                need_sync = True

@@ -1,0 +1,40 @@
+"""Rendezvous: the small key-value contract membership is built on, and its stores.
+
+``connect(url)`` picks the implementation by scheme (one registry, imported lazily):
+
+* ``kvf://HOST:PORT`` / ``kvf+unix:///PATH``: the single-node store
+  (``server.RendezvousServer``, hosted by the pool daemon or a test; ``client.RendezvousClient``).
+* ``etcd://HOST:PORT``: etcd v3 through its JSON gateway (``etcd.EtcdStore``), for several nodes.
+
+The contract is in ``base.py``; barrier and all-gather in ``collectives.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvfabric.pool.gva.rendezvous.base import Compacted, KeyValue, KVStore, WatchEvent
+
+STORES: dict[str, str] = {
+    "kvf": "kvfabric.pool.gva.rendezvous.client:RendezvousClient",
+    "kvf+unix": "kvfabric.pool.gva.rendezvous.client:RendezvousClient",
+    "etcd": "kvfabric.pool.gva.rendezvous.etcd:EtcdStore",
+}
+
+
+def connect(url: str, **options: Any) -> KVStore:
+    """A new session with the store at ``url`` (see module docstring for schemes)."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ValueError(f"rendezvous url {url!r} must look like kvf://HOST:PORT or etcd://HOST:PORT")
+    scheme = url.split("://", 1)[0]
+    target = STORES.get(scheme)
+    if target is None:
+        raise ValueError(
+            f"unknown rendezvous scheme {scheme!r} in {url!r}; known: {', '.join(sorted(STORES))}"
+        )
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)(url, **options)
+
+
+__all__ = ["STORES", "Compacted", "KVStore", "KeyValue", "WatchEvent", "connect"]

@@ -1,0 +1,313 @@
+"""``EtcdStore``: the :class:`KVStore` contract on etcd v3, through its JSON gateway.
+
+Talks HTTP to etcd's gRPC gateway (``/v3/kv/range``, ``/v3/kv/put``, ``/v3/kv/txn``,
+``/v3/kv/deleterange``, ``/v3/watch``, ``/v3/lease/*``; keys and values base64), so it
+needs nothing beyond the standard library. URL: ``etcd://HOST:PORT`` (the client URL).
+
+* ``add`` / ``append`` are compare-and-swap loops on the key's ``mod_revision``; ``cas``
+  is one transaction comparing the value (or ``create_revision == 0`` for "absent").
+* Ephemeral keys are attached to one lease per client (granted on first use, TTL
+  ``ttl`` seconds) that a thread keeps alive every ``ttl / 3``; ``close()`` revokes it,
+  so they vanish at once; a process that dies loses them when the lease expires.
+* ``watch`` opens a streaming watch from ``after + 1`` and returns the first batch of
+  events (or none at the timeout); a compacted revision raises ``Compacted``.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import threading
+import time
+from typing import Any
+
+from kvfabric.errors import KeyNotFound, ServiceUnavailable
+from kvfabric.pool.gva.rendezvous.base import (
+    Compacted,
+    KeyValue,
+    KVStore,
+    WatchEvent,
+    check_key,
+    check_value,
+    decode_int,
+)
+
+
+def _b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode("ascii")
+
+
+def _unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def _prefix_end(prefix: str) -> str:
+    raw = bytearray(prefix.encode())
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return _b64(b"\0")
+    raw[-1] += 1
+    return _b64(bytes(raw))
+
+
+class EtcdStore(KVStore):
+    """A rendezvous session on an etcd cluster (see module docstring)."""
+
+    def __init__(self, url: str, *, ttl: float = 3.0, call_timeout: float = 10.0) -> None:
+        if not url.startswith("etcd://"):
+            raise ValueError(f"etcd address {url!r} must be etcd://HOST:PORT")
+        host, _, port = url[len("etcd://") :].rstrip("/").rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"etcd address {url!r} must be etcd://HOST:PORT")
+        if ttl < 1:
+            raise ValueError(f"etcd lease ttl must be >= 1 s, got {ttl}")
+        self.url, self.host, self.port = url, host, int(port)
+        self.ttl = float(ttl)
+        self.call_timeout = float(call_timeout)
+        self._local = threading.local()
+        self._lease: int | None = None
+        self._lease_lock = threading.Lock()
+        self._lost: str | None = None
+        self._closed = False
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._post("/v3/maintenance/status", {})  # fail now if nothing answers
+
+    # ------------------------------------------------------------------ HTTP
+    def _conn(self) -> http.client.HTTPConnection:
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            c = http.client.HTTPConnection(self.host, self.port, timeout=self.call_timeout)
+            self._local.conn = c
+        return c
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self._lost is not None:
+            raise ServiceUnavailable(f"{self.url}: {self._lost}")
+        data = json.dumps(body)
+        for attempt in (0, 1):
+            c = self._conn()
+            try:
+                c.request("POST", path, data, {"Content-Type": "application/json"})
+                resp = c.getresponse()
+                raw = resp.read()
+            except (OSError, http.client.HTTPException) as e:
+                c.close()
+                self._local.conn = None
+                if attempt:
+                    raise ServiceUnavailable(f"etcd at {self.url}: {path} failed: {e}") from e
+                continue
+            out = json.loads(raw or b"{}")
+            if resp.status != 200:
+                raise ServiceUnavailable(f"etcd at {self.url}: {path} answered {resp.status}: {out}")
+            return out
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ lease (ephemeral keys)
+    def _lease_id(self) -> int:
+        with self._lease_lock:
+            if self._lease is None:
+                r = self._post("/v3/lease/grant", {"TTL": max(round(self.ttl), 1)})
+                self._lease = int(r["ID"])
+                self._keeper = threading.Thread(
+                    target=self._keepalive, name="kvfabric-etcd-lease", daemon=True
+                )
+                self._keeper.start()
+            return self._lease
+
+    def _keepalive(self) -> None:
+        period = max(self.ttl / 3.0, 0.2)
+        while not self._stop.wait(period):
+            try:
+                r = self._post("/v3/lease/keepalive", {"ID": str(self._lease)})
+            except ServiceUnavailable as e:
+                self._lost = f"lease keep-alive failed: {e}"
+                return
+            if int(r.get("result", {}).get("TTL", 0)) <= 0:
+                self._lost = "lease expired: ephemeral keys are gone"
+                return
+
+    # ------------------------------------------------------------------ contract
+    def set(self, key: str, value: bytes, *, ephemeral: bool = False) -> int:
+        body: dict[str, Any] = {"key": _b64(check_key(key)), "value": _b64(check_value(value))}
+        if ephemeral:
+            body["lease"] = str(self._lease_id())
+        return int(self._post("/v3/kv/put", body)["header"]["revision"])
+
+    def _range(self, key: str, prefix: bool = False) -> tuple[list[KeyValue], int, list[dict[str, Any]]]:
+        body: dict[str, Any] = {"key": _b64(key or "\0")}
+        if prefix:
+            body["range_end"] = _prefix_end(key) if key else _b64(b"\0")
+        r = self._post("/v3/kv/range", body)
+        raw = r.get("kvs", [])
+        kvs = [
+            KeyValue(_unb64(kv["key"]).decode(), _unb64(kv.get("value")), int(kv["mod_revision"]))
+            for kv in raw
+        ]
+        return kvs, int(r["header"]["revision"]), raw
+
+    def try_get(self, key: str) -> KeyValue | None:
+        kvs, _, _ = self._range(check_key(key))
+        return kvs[0] if kvs else None
+
+    def get(self, key: str, timeout: float | None = 0.0) -> bytes:
+        check_key(key)
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            kvs, rev, _ = self._range(key)
+            if kvs:
+                return kvs[0].value
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise KeyNotFound(f"etcd key {key!r} did not appear within {timeout} s")
+            self._watch(key, rev, left, prefix=False)
+
+    def _update(self, key: str, fn: Any) -> bytes:
+        check_key(key)
+        while True:
+            kvs, _, raw = self._range(key)
+            cur = kvs[0].value if kvs else None
+            new = fn(cur)
+            if raw:
+                cmp = {
+                    "key": _b64(key),
+                    "result": "EQUAL",
+                    "target": "MOD",
+                    "mod_revision": raw[0]["mod_revision"],
+                }
+            else:
+                cmp = {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+            put: dict[str, Any] = {"key": _b64(key), "value": _b64(new)}
+            if raw and raw[0].get("lease"):
+                put["lease"] = raw[0]["lease"]
+            r = self._post("/v3/kv/txn", {"compare": [cmp], "success": [{"request_put": put}]})
+            if r.get("succeeded"):
+                return new
+
+    def add(self, key: str, delta: int = 1) -> int:
+        if isinstance(delta, bool) or not isinstance(delta, int):
+            raise TypeError(f"add needs an int delta, got {delta!r}")
+        out = self._update(key, lambda cur: str(decode_int(cur, key) + delta).encode("ascii"))
+        return int(out)
+
+    def append(self, key: str, value: bytes) -> int:
+        v = check_value(value)
+        return len(self._update(key, lambda cur: (cur or b"") + v))
+
+    def cas(self, key: str, expected: bytes | None, value: bytes | None) -> tuple[bool, bytes | None]:
+        k = _b64(check_key(key))
+        if expected is None:
+            cmp = {"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        else:
+            cmp = {"key": k, "result": "EQUAL", "target": "VALUE", "value": _b64(check_value(expected))}
+        if value is None:
+            op = {"request_delete_range": {"key": k}}
+        else:
+            op = {"request_put": {"key": k, "value": _b64(check_value(value))}}
+        r = self._post(
+            "/v3/kv/txn", {"compare": [cmp], "success": [op], "failure": [{"request_range": {"key": k}}]}
+        )
+        if r.get("succeeded"):
+            return True, value
+        kvs = r.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
+        return False, (_unb64(kvs[0].get("value")) if kvs else None)
+
+    def delete(self, key: str) -> bool:
+        r = self._post("/v3/kv/deleterange", {"key": _b64(check_key(key))})
+        return int(r.get("deleted", 0)) > 0
+
+    def delete_prefix(self, prefix: str) -> int:
+        r = self._post(
+            "/v3/kv/deleterange", {"key": _b64(check_key(prefix)), "range_end": _prefix_end(prefix)}
+        )
+        return int(r.get("deleted", 0))
+
+    def range(self, prefix: str) -> tuple[list[KeyValue], int]:
+        if not isinstance(prefix, str):
+            raise TypeError(f"a rendezvous prefix is a str, got {type(prefix).__name__}")
+        kvs, rev, _ = self._range(prefix, prefix=True)
+        return sorted(kvs, key=lambda kv: kv.key), rev
+
+    def watch(self, prefix: str, after: int, timeout: float | None) -> tuple[list[WatchEvent], int]:
+        if not isinstance(prefix, str) or not prefix:
+            raise TypeError("watch needs a non-empty str prefix")
+        return self._watch(prefix, int(after), timeout, prefix=True)
+
+    def _watch(
+        self, key: str, after: int, timeout: float | None, *, prefix: bool
+    ) -> tuple[list[WatchEvent], int]:
+        if self._lost is not None:
+            raise ServiceUnavailable(f"{self.url}: {self._lost}")
+        req: dict[str, Any] = {"key": _b64(key), "start_revision": str(after + 1)}
+        if prefix:
+            req["range_end"] = _prefix_end(key)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.call_timeout)
+        rev = after
+        try:
+            conn.request("POST", "/v3/watch", json.dumps({"create_request": req}))
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise ServiceUnavailable(f"etcd at {self.url}: watch answered {resp.status}")
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return [], rev
+                if conn.sock is not None:
+                    conn.sock.settimeout(left)
+                try:
+                    line = resp.readline()
+                except TimeoutError:
+                    return [], rev
+                if not line:
+                    raise ServiceUnavailable(f"etcd at {self.url}: watch stream closed")
+                msg = json.loads(line).get("result", {})
+                rev = max(rev, int(msg.get("header", {}).get("revision", rev)))
+                if int(msg.get("compact_revision", 0) or 0) > 0:
+                    raise Compacted(f"etcd compacted revisions up to {msg['compact_revision']}")
+                evs = msg.get("events")
+                if evs:
+                    out = []
+                    for e in evs:
+                        kv = e["kv"]
+                        deleted = e.get("type") == "DELETE"
+                        out.append(
+                            WatchEvent(
+                                _unb64(kv["key"]).decode(),
+                                None if deleted else _unb64(kv.get("value")),
+                                int(kv["mod_revision"]),
+                            )
+                        )
+                    return out, max(rev, out[-1].revision)
+        except (OSError, http.client.HTTPException) as e:
+            raise ServiceUnavailable(f"etcd at {self.url}: watch failed: {e}") from e
+        finally:
+            conn.close()
+
+    @property
+    def session_lost(self) -> bool:
+        return self._lost is not None and not self._closed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(5)
+        if self._lease is not None and self._lost is None:
+            try:
+                self._post("/v3/lease/revoke", {"ID": str(self._lease)})
+            except ServiceUnavailable:
+                pass
+        self._closed = True
+        self._lost = "client closed"
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+
+    def __repr__(self) -> str:
+        return f"EtcdStore({self.url})"

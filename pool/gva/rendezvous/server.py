@@ -1,0 +1,328 @@
+"""``RendezvousServer``: the single-node rendezvous store, served over a local socket.
+
+Embeddable: the pool daemon (or a test) builds one, calls ``start()`` and hands
+``server.url`` to its ranks; the server runs an asyncio loop on its own thread until
+``close()``. ``python -m kvfabric.pool.gva.rendezvous.server --port N`` runs one in the
+foreground. It binds 127.0.0.1 (or a Unix socket) only.
+
+Sessions: each connection is one session. Ephemeral keys set over it are deleted when
+the connection closes (a process that dies closes its sockets) or when the session sends
+nothing for ``session_ttl`` seconds (clients ping every ``ttl / 3``), so a hung process
+is also noticed. Data lives in memory only: a restarted server starts empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvfabric.errors import KeyNotFound
+from kvfabric.pool.gva.rendezvous.base import WatchEvent, check_key, check_value
+from kvfabric.pool.gva.rendezvous.protocol import DECODER, HEADER, MAX_FRAME, error_kind, frame
+from kvfabric.pool.gva.rendezvous.state import StoreState
+
+log = logging.getLogger("kvfabric.gva.rendezvous")
+
+
+class _Session:
+    __slots__ = ("id", "last_seen", "tasks", "writer")
+
+    def __init__(self, sid: int, writer: asyncio.StreamWriter) -> None:
+        self.id = sid
+        self.writer = writer
+        self.last_seen = time.monotonic()
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+
+class RendezvousServer:
+    """The single-node rendezvous store (see module docstring)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        unix_path: str | None = None,
+        session_ttl: float = 3.0,
+        history: int = 65536,
+    ) -> None:
+        if session_ttl <= 0:
+            raise ValueError(f"session_ttl must be > 0 seconds, got {session_ttl}")
+        self.host, self.port, self.unix_path = host, int(port), unix_path
+        self.session_ttl = float(session_ttl)
+        self.state = StoreState(history)
+        self.state.listeners.append(self._on_change)
+        self._waiters: list[tuple[str, bool, asyncio.Future[None]]] = []
+        self._sessions: dict[int, _Session] = {}
+        self._next_sid = 1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        if self.unix_path:
+            return f"kvf+unix://{self.unix_path}"
+        return f"kvf://{self.host}:{self.port}"
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 10.0) -> RendezvousServer:
+        """Start serving on a background thread; returns once the socket is bound."""
+        if self._thread is not None:
+            raise ValueError("RendezvousServer.start called twice")
+        self._thread = threading.Thread(target=self._run, name="kvfabric-rendezvous", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"rendezvous server did not start within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._open())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._error = e
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._shutdown())
+            loop.close()
+
+    async def _open(self) -> None:
+        if self.unix_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.unix_path)
+            self._server = await asyncio.start_unix_server(self._serve, path=self.unix_path)
+        else:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+            self.port = self._server.sockets[0].getsockname()[1]
+        asyncio.get_running_loop().create_task(self._expire_sessions())
+
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for s in list(self._sessions.values()):
+            s.writer.close()
+        for _, _, fut in self._waiters:
+            if not fut.done():
+                fut.cancel()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.unix_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.unix_path)
+
+    def close(self) -> None:
+        """Stop serving and drop every session. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    def serve_forever(self) -> None:
+        self.start()
+        assert self._thread is not None
+        try:
+            while self._thread.is_alive():
+                self._thread.join(1.0)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.close()
+
+    def __enter__(self) -> RendezvousServer:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ sessions
+    async def _expire_sessions(self) -> None:
+        while True:
+            await asyncio.sleep(self.session_ttl / 4)
+            now = time.monotonic()
+            for s in list(self._sessions.values()):
+                if now - s.last_seen > self.session_ttl:
+                    log.info("rendezvous session %d silent for %.1f s: dropped", s.id, now - s.last_seen)
+                    s.writer.close()
+                    self._end_session(s)
+
+    def _end_session(self, s: _Session) -> None:
+        if self._sessions.pop(s.id, None) is None:
+            return
+        for t in s.tasks:
+            t.cancel()
+        n = self.state.drop_session(s.id)
+        if n:
+            log.info("rendezvous session %d ended: %d ephemeral key(s) deleted", s.id, n)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        s = _Session(self._next_sid, writer)
+        self._next_sid += 1
+        self._sessions[s.id] = s
+        try:
+            while True:
+                head = await reader.readexactly(HEADER.size)
+                (n,) = HEADER.unpack(head)
+                if n > MAX_FRAME:
+                    raise ValueError(f"frame of {n} B exceeds {MAX_FRAME} B")
+                msg = DECODER.decode(await reader.readexactly(n))
+                s.last_seen = time.monotonic()
+                self._dispatch(s, msg)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, asyncio.CancelledError):
+            pass
+        except Exception:
+            log.exception("rendezvous session %d failed", s.id)
+        finally:
+            self._end_session(s)
+            writer.close()
+
+    # ------------------------------------------------------------------ requests
+    def _reply(self, s: _Session, rid: int, ok: bool, payload: Any) -> None:
+        if s.id in self._sessions:
+            s.writer.write(frame([rid, ok, payload]))
+
+    def _dispatch(self, s: _Session, msg: list[Any]) -> None:
+        rid, op, args = msg[0], msg[1], msg[2:]
+        blocking = self._BLOCKING.get(op)
+        if blocking is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._run_blocking(s, rid, blocking(self, s, *args))
+            )
+            s.tasks.add(task)
+            task.add_done_callback(s.tasks.discard)
+            return
+        try:
+            result = self._call(s, op, args)
+        except (KeyNotFound, ValueError, TypeError) as e:
+            self._reply(s, rid, False, [error_kind(e), str(e)])
+        else:
+            self._reply(s, rid, True, result)
+
+    async def _run_blocking(self, s: _Session, rid: int, coro: Awaitable[Any]) -> None:
+        try:
+            result = await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the client
+            self._reply(s, rid, False, [error_kind(e), str(e)])
+        else:
+            self._reply(s, rid, True, result)
+
+    def _call(self, s: _Session, op: str, a: list[Any]) -> Any:
+        st = self.state
+        if op == "ping":
+            return None
+        if op == "hello":
+            return {"session": s.id, "ttl": self.session_ttl}
+        if op == "set":
+            return st.set(check_key(a[0]), check_value(a[1]), s.id if a[2] else None)
+        if op == "try_get":
+            kv = st.get(check_key(a[0]))
+            return None if kv is None else [kv.value, kv.revision]
+        if op == "add":
+            if isinstance(a[1], bool) or not isinstance(a[1], int):
+                raise TypeError(f"add needs an int delta, got {a[1]!r}")
+            return st.add(check_key(a[0]), a[1])
+        if op == "append":
+            return st.append(check_key(a[0]), check_value(a[1]))
+        if op == "cas":
+            exp = None if a[1] is None else check_value(a[1])
+            new = None if a[2] is None else check_value(a[2])
+            return list(st.cas(check_key(a[0]), exp, new))
+        if op == "delete":
+            return st.delete(check_key(a[0]))
+        if op == "delete_prefix":
+            return st.delete_prefix(check_key(a[0]))
+        if op == "range":
+            kvs, rev = st.range(a[0] if isinstance(a[0], str) else check_key(a[0]))
+            return [[[kv.key, kv.value, kv.revision] for kv in kvs], rev]
+        raise ValueError(f"unknown rendezvous operation {op!r}")
+
+    # ------------------------------------------------------------------ blocking ops
+    def _on_change(self, ev: WatchEvent) -> None:
+        keep = []
+        for w in self._waiters:
+            key, exact, fut = w
+            if (ev.key == key) if exact else ev.key.startswith(key):
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append(w)
+        self._waiters = keep
+
+    async def _wait_change(self, key: str, exact: bool, timeout: float | None) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        w = (key, exact, fut)
+        self._waiters.append(w)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(w)
+
+    async def _get(self, s: _Session, key: str, timeout: float | None) -> Any:
+        check_key(key)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            kv = self.state.get(key)
+            if kv is not None:
+                return [kv.value, kv.revision]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise KeyNotFound(f"rendezvous key {key!r} did not appear within {timeout} s")
+            await self._wait_change(key, True, left)
+
+    async def _watch(self, s: _Session, prefix: str, after: int, timeout: float | None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            evs = self.state.events_after(prefix, int(after))
+            if evs:
+                return [[[e.key, e.value, e.revision] for e in evs], self.state.rev]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return [[], self.state.rev]
+            await self._wait_change(prefix, False, left)
+
+    _BLOCKING: dict[str, Callable[..., Awaitable[Any]]] = {"get": _get, "watch": _watch}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="kvfabric single-node rendezvous store")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--unix", default=None, help="serve on this Unix socket path instead of TCP")
+    p.add_argument("--ttl", type=float, default=3.0, help="session time-to-live in seconds")
+    args = p.parse_args(argv)
+    srv = RendezvousServer(args.host, args.port, unix_path=args.unix, session_ttl=args.ttl)
+    srv.start()
+    print(srv.url, flush=True)
+    srv.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
