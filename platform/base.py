@@ -223,14 +223,15 @@ class Platform(BackendPrimitives):
         buffers, spans or addresses. Every range must lie in a live buffer of this
         platform (checked, vectorised, before anything is copied)."""
         batch = items if isinstance(items, CopyBatch) else CopyBatch.from_items(items)
-        if len(batch) == 0:
+        n = len(batch)
+        if n == 0:
             return
-        if not batch.nbytes.all():
+        if not (batch.nbytes.all() if n > 4 else all(batch.nbytes.tolist())):
             raise ValueError(f"batch item {int(np.flatnonzero(batch.nbytes == 0)[0])}: nbytes is 0")
         self._check_stream(stream)
         dst_m = self._addrmap.media_of(batch.dst, batch.nbytes, "dst")
         src_m = self._addrmap.media_of(batch.src, batch.nbytes, "src")
-        directions = (src_m * 2 + dst_m).astype(np.uint8)
+        directions = src_m * np.uint8(2) + dst_m
         self._call(
             lambda: f"batch copy of {len(batch)} pieces ({batch.total_bytes} B)",
             self._batch_copy,

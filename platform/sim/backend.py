@@ -198,9 +198,15 @@ class SimPlatform(Platform):
         t0 = time.perf_counter()
         self._native.memcpy_batch(batch.dst, batch.src, batch.nbytes)
         wall = time.perf_counter() - t0
-        per_dir = {Direction(int(d)): int(batch.nbytes[directions == d].sum()) for d in np.unique(directions)}
-        sim = self.config.cost_model.batch_seconds(per_dir, len(batch))
         total = batch.total_bytes
+        first = int(directions[0])
+        if len(batch) == 1 or (directions == first).all():
+            per_dir = {Direction(first): total}
+        else:
+            per_dir = {
+                Direction(int(d)): int(batch.nbytes[directions == d].sum()) for d in np.unique(directions)
+            }
+        sim = self.config.cost_model.batch_seconds(per_dir, len(batch))
         for d, n in per_dir.items():  # split wall and simulated time by bytes
             share = n / total
             self.ledger.add(d, n, wall * share, sim * share)
