@@ -196,7 +196,6 @@ class MetaService:
 
     def commit(self, client: str, keys: list[bytes], ok: list[bool], ttl_s: float | None = None) -> list[int]:
         """Publish (``ok``) or abandon each allocated key of ``client``."""
-        now = self.clock()
         ttl = self.config.default_ttl_s if ttl_s is None else ttl_s
         expire = (now_ticks() + int(ttl * 10)) & 0xFFFFFFFF if ttl > 0 else 0
         out = []

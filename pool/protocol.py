@@ -8,7 +8,7 @@ restarted and re-registers the objects its ranks own.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -84,21 +84,21 @@ class ListKeys(msgspec.Struct, tag="list_keys", frozen=True):
     limit: int = 1000
 
 
-Request = Union[
-    Hello,
-    Info,
-    AddWindow,
-    DropRank,
-    Alloc,
-    Commit,
-    Lookup,
-    Release,
-    Exists,
-    Remove,
-    RemoveAll,
-    Reregister,
-    ListKeys,
-]
+Request = (
+    Hello
+    | Info
+    | AddWindow
+    | DropRank
+    | Alloc
+    | Commit
+    | Lookup
+    | Release
+    | Exists
+    | Remove
+    | RemoveAll
+    | Reregister
+    | ListKeys
+)
 
 
 class Reply(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -80,7 +80,7 @@ class RpcServer:
     def _run(self) -> None:
         try:
             socks = self._bind()
-        except BaseException as e:  # reported to start()
+        except BaseException as e:  # noqa: BLE001 - reported to start()
             self._error = e
             self._ready.set()
             return
@@ -121,7 +121,7 @@ class RpcServer:
             else:
                 try:
                     reply = self.dispatcher.handle(p.decode_request(payload))
-                except Exception as e:  # a malformed request must not stop the service
+                except Exception as e:  # noqa: BLE001 - a malformed request must not stop the service
                     log.warning("refused a malformed request: %s", e)
                     reply = p.Reply(self.dispatcher.epoch, error=f"malformed request: {e}")
             sock.send_multipart([ident, rid, p.encode(reply)])
