@@ -29,6 +29,11 @@ class BackendPrimitives(abc.ABC):
     name: str
     device: int
 
+    def host_addressable(self, medium: Medium) -> bool:
+        """Whether the CPU can load and store this medium's memory directly (then callers may
+        memcpy between such buffers without a device copy). DRAM always; HBM only on sim."""
+        return medium is Medium.DRAM
+
     # ------------------------------------------------------------------ views
     def _numpy_view(self, buf: Buffer) -> np.ndarray:
         if buf.medium is not Medium.DRAM:

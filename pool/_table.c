@@ -117,3 +117,14 @@ void kvf_key_hash_batch(const uint8_t *keys, const uint64_t *offs, const uint32_
 {
     for (uint64_t k = 0; k < n; k++) out[k] = kvf_key_hash(keys + offs[k], lens[k]);
 }
+
+/* Sequence counters of many slots (acquire), for the after-copy re-check of a batch. */
+void kvf_tbl_seq_batch(uint64_t base, const int64_t *idx, uint64_t n, uint64_t *out)
+{
+    for (uint64_t k = 0; k < n; k++) out[k] = kvf_tbl_seq(base, idx[k]);
+}
+
+void kvf_tbl_touch_batch(uint64_t base, const int64_t *idx, uint64_t n, uint32_t now)
+{
+    for (uint64_t k = 0; k < n; k++) if (idx[k] >= 0) kvf_tbl_touch(base, idx[k], now);
+}

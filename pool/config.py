@@ -54,6 +54,7 @@ class PoolConfig:
     http: str = ""  # "HOST:PORT" of the HTTP endpoint (/health, /metrics, ...; "" -> off)
     align: int = 256  # allocation granularity in bytes
     rpc_timeout_s: float = 1.0  # clients: a call not answered by then is ServiceUnavailable
+    pretouch: bool = True  # fault the service's window in at start (first touch is slow)
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in "/ \0"):

@@ -7,6 +7,8 @@ window registry clients need to map other ranks (handles) and the request metric
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +20,8 @@ from kvfabric.pool.meta import MetaService
 from kvfabric.pool.metrics import PoolMetrics
 from kvfabric.pool.status import Status
 
+log = logging.getLogger("kvfabric.pool")
+
 
 @dataclass(frozen=True)
 class WindowInfo:
@@ -26,6 +30,7 @@ class WindowInfo:
     size: int
     handle: bytes
     client: str
+    pid: int = 0
 
 
 class Dispatcher:
@@ -61,8 +66,18 @@ class Dispatcher:
 
     def tick(self) -> None:
         with self.lock:
+            self._drop_dead_ranks()
             self.service.tick()
             self.metrics.update_state(self.service)
+
+    def _drop_dead_ranks(self) -> None:
+        """A rank whose owner process (on this node) exited leaves the pool at once."""
+        dead = {w.rank for w in self.windows.values() if w.pid and not _alive(w.pid)}
+        for rank in dead:
+            removed = self.service.drop_rank(rank)
+            for k in [k for k in self.windows if k[0] == rank]:
+                del self.windows[k]
+            log.warning("pool rank %d left (its process exited); %d object(s) dropped", rank, removed)
 
     def _dispatch(self, req: Any) -> p.Reply:
         s, e = self.service, self.epoch
@@ -129,6 +144,16 @@ class Dispatcher:
             "total": len(keys),
             "next": nxt if nxt < len(keys) else None,
         }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def ok_count(reply: p.Reply) -> int:

@@ -28,7 +28,7 @@ from kvfabric.platform.types import Medium
 from kvfabric.pool.allocator import ExtentAllocator
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.status import Status
-from kvfabric.pool.table import SlotState, TableView, now_ticks
+from kvfabric.pool.table import SlotState, TableView, now_ticks, ticks_passed
 from kvfabric.pool.table_writer import TableWriter
 from kvfabric.pool.windows import Addressing
 
@@ -272,7 +272,7 @@ class MetaService:
         hit = self.table.find(key)
         if hit is None or hit.state != SlotState.READABLE:
             return None
-        if hit.expire and _ticks_passed(hit.expire):
+        if hit.expire and ticks_passed(hit.expire):
             self._free_object(hit.slot, key, hit.gva, hit.size)
             return None
         return hit
@@ -356,7 +356,7 @@ class MetaService:
         s = self.table.slots
         exp = np.flatnonzero((s["hash"] != 0) & (s["expire"] != 0))
         for slot_i in exp.tolist():
-            if _ticks_passed(int(s["expire"][slot_i])):
+            if ticks_passed(int(s["expire"][slot_i])):
                 key = self.table.view.key_of(slot_i)
                 hit = self.table.find(key)
                 if hit is not None:
@@ -392,10 +392,6 @@ class MetaService:
             }
             for w in sorted(self.windows.values(), key=lambda w: (w.rank, w.medium.value))
         ]
-
-
-def _ticks_passed(deadline: int) -> bool:
-    return ((now_ticks() - deadline) & 0xFFFFFFFF) < 0x80000000
 
 
 __all__ = ["MetaService", "Status", "Window"]

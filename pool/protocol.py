@@ -28,6 +28,7 @@ class AddWindow(msgspec.Struct, tag="add_window", frozen=True):
     medium: str
     size: int
     handle: bytes = b""  # export handle, for clients on the same node to map
+    pid: int = 0  # owner process on this node (the service drops the rank when it exits)
 
 
 class DropRank(msgspec.Struct, tag="drop_rank", frozen=True):

@@ -1,20 +1,25 @@
-"""Client transports to the meta service: over pyzmq (``ZmqTransport``) or in-process.
+"""Client transports to the meta service: over sockets (``SocketTransport``) or in-process.
 
 ``call(request) -> Reply`` either returns the service's reply or raises
-``ServiceUnavailable`` within ``timeout`` seconds; it never hangs. A reply that arrives
-after its call timed out is recognised by its request id and dropped. A reply whose
+``ServiceUnavailable`` within ``timeout`` seconds; it never hangs. After a timeout the
+connection is dropped (so a late reply can never be taken for the next call's) and the
+next call reconnects. TCP connections authenticate with the token (HMAC challenge). A reply whose
 ``error`` is set is raised as ``ValueError`` (the service refused the request itself).
 Thread-safe: calls are serialised on one socket per transport.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
+import socket
 import threading
+from multiprocessing.connection import (
+    AuthenticationError,
+    Connection,
+    answer_challenge,
+    deliver_challenge,
+)
 from typing import Any, Protocol
-
-import zmq
 
 from kvfabric.errors import ServiceUnavailable
 from kvfabric.pool import protocol as p
@@ -46,52 +51,65 @@ class LocalTransport:
         pass
 
 
-class ZmqTransport:
+class SocketTransport:
     """RPC over a Unix socket path or ``tcp://host:port`` (see module docstring)."""
 
     def __init__(self, endpoint: str, timeout: float = 1.0, token: str = "") -> None:
-        if not endpoint.startswith(("ipc://", "tcp://")):
-            endpoint = f"ipc://{endpoint}"
+        if endpoint.startswith("tcp://"):
+            host, _, port = endpoint[6:].rpartition(":")
+            self.address: str | tuple[str, int] = (host, int(port))
+            self.family = "AF_INET"
+        else:
+            self.address = endpoint[6:] if endpoint.startswith("ipc://") else endpoint
+            self.family = "AF_UNIX"
         self.endpoint = endpoint
         self.timeout = timeout
-        self.token = token.encode()
-        self._ctx = zmq.Context.instance()
+        self.token = token.encode() or None
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._sock: zmq.Socket | None = None
+        self._conn: Connection | None = None
         self._pid = os.getpid()
 
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None or self._pid != os.getpid():
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(self.endpoint)
-            self._sock, self._pid = s, os.getpid()
-        return self._sock
+    def _connect(self) -> Connection:
+        if self._conn is None or self._pid != os.getpid():
+            try:
+                if self.family == "AF_UNIX":
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                else:
+                    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(self.timeout)
+                sock.connect(self.address)
+                sock.settimeout(None)
+                conn = Connection(sock.detach())
+                if self.token is not None:
+                    answer_challenge(conn, self.token)
+                    deliver_challenge(conn, self.token)
+            except (OSError, EOFError, AuthenticationError) as e:
+                raise ServiceUnavailable(f"pool service at {self.endpoint} is not reachable: {e}") from e
+            self._conn, self._pid = conn, os.getpid()
+        return self._conn
 
     def call(self, req: Any) -> p.Reply:
-        rid = next(self._ids).to_bytes(8, "little")
+        payload = p.encode(req)
         with self._lock:
-            if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
-                raise ServiceUnavailable(f"pool service is not running (no socket {self.endpoint[6:]})")
-            sock = self._socket()
-            sock.send_multipart([rid, self.token, p.encode(req)])
-            deadline_ms = int(self.timeout * 1000)
-            while True:
-                if not sock.poll(deadline_ms):
+            conn = self._connect()
+            try:
+                conn.send_bytes(payload)
+                if not conn.poll(self.timeout):
                     self._reset()
                     raise ServiceUnavailable(
                         f"pool service at {self.endpoint} did not answer within {self.timeout} s"
                     )
-                frames = sock.recv_multipart()
-                if len(frames) == 2 and frames[0] == rid:
-                    return _checked(p.decode_reply(frames[1]))
-                # a late reply to an earlier, timed-out call: drop it and keep waiting
+                data = conn.recv_bytes()
+            except (OSError, EOFError) as e:
+                self._reset()
+                raise ServiceUnavailable(f"pool service at {self.endpoint} went away: {e}") from e
+        return _checked(p.decode_reply(data))
 
     def _reset(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def close(self) -> None:
         with self._lock:

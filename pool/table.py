@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,8 @@ void kvf_seq_begin(uint64_t addr);
 void kvf_seq_end(uint64_t addr);
 void kvf_key_hash_batch(const uint8_t *keys, const uint64_t *offs, const uint32_t *lens, uint64_t n,
                         uint64_t *out);
+void kvf_tbl_seq_batch(uint64_t base, const int64_t *idx, uint64_t n, uint64_t *out);
+void kvf_tbl_touch_batch(uint64_t base, const int64_t *idx, uint64_t n, uint32_t now);
 """
 
 MISS, BUSY = -1, -2
@@ -102,6 +105,11 @@ def native() -> Any:
 def now_ticks() -> int:
     """Recency clock shared by all processes of a node: CLOCK_MONOTONIC in 1/10 s."""
     return int(time.monotonic() * 10) & 0xFFFFFFFF
+
+
+def ticks_passed(deadline: int) -> bool:
+    """Whether the tick ``deadline`` (wrapping u32) is in the past."""
+    return ((now_ticks() - deadline) & 0xFFFFFFFF) < 0x80000000
 
 
 def pack_keys(keys: list[bytes]) -> tuple[bytes, np.ndarray, np.ndarray]:
@@ -144,8 +152,7 @@ class TableView:
         self.arena = seg.array[arena_at : arena_at + int(self.hdr["arena_size"][0])]
         mod = native()
         self._ffi, self._lib = mod.ffi, mod.lib
-        self._out = np.zeros(6, np.uint64)
-        self._out_p = self._ffi.cast("uint64_t *", self._out.ctypes.data)
+        self._tls = threading.local()
 
     @property
     def epoch(self) -> int:
@@ -155,21 +162,26 @@ class TableView:
     def count(self) -> int:
         return int(self.hdr["count"][0])
 
+    def lookup_raw(self, key: bytes) -> tuple[int, list[int]]:
+        """Hot path: ``(slot, [seq, gva, size, gen, state, expire])``; slot -1 on a miss."""
+        tls = self._tls
+        out = getattr(tls, "out", None)
+        if out is None:
+            out = tls.out = np.zeros(6, np.uint64)
+            tls.ptr = self._ffi.cast("uint64_t *", out.ctypes.data)
+        lib = self._lib
+        i = lib.kvf_tbl_lookup(self.base, lib.kvf_key_hash(key, len(key)), key, len(key), tls.ptr)
+        if i == BUSY:
+            raise TimeoutError("directory table stayed busy for the whole lookup")
+        return i, out.tolist()
+
     def lookup(self, key: bytes) -> Hit | None:
         """The slot holding ``key`` (any state), or None. Raises TimeoutError if writers
         kept the slot busy for a long time (they never should)."""
-        h = self._lib.kvf_key_hash(key, len(key))
-        out = np.empty(6, np.uint64)
-        i = self._lib.kvf_tbl_lookup(
-            self.base, h, key, len(key), self._ffi.cast("uint64_t *", out.ctypes.data)
-        )
+        i, f = self.lookup_raw(key)
         if i == MISS:
             return None
-        if i == BUSY:
-            raise TimeoutError("directory table stayed busy for the whole lookup")
-        return Hit(
-            int(i), int(out[0]), int(out[1]), int(out[2]), int(out[3]), SlotState(int(out[4])), int(out[5])
-        )
+        return Hit(i, f[0], f[1], f[2], f[3], SlotState(f[4]), f[5])
 
     def lookup_many(self, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """Vectorised lookup: ``(idx (n,) int64, fields (n, 6) uint64)``; idx -1 = miss."""
@@ -193,6 +205,21 @@ class TableView:
 
     def seq_now(self, slot: int) -> int:
         return int(self._lib.kvf_tbl_seq(self.base, slot))
+
+    def seq_many(self, idx: np.ndarray) -> np.ndarray:
+        idx = np.ascontiguousarray(idx, np.int64)
+        out = np.empty(idx.size, np.uint64)
+        ffi = self._ffi
+        self._lib.kvf_tbl_seq_batch(
+            self.base, ffi.from_buffer("int64_t[]", idx), idx.size, ffi.from_buffer("uint64_t[]", out)
+        )
+        return out
+
+    def touch_many(self, idx: np.ndarray) -> None:
+        idx = np.ascontiguousarray(idx, np.int64)
+        self._lib.kvf_tbl_touch_batch(
+            self.base, self._ffi.from_buffer("int64_t[]", idx), idx.size, now_ticks()
+        )
 
     def touch(self, slot: int, now: int | None = None) -> None:
         self._lib.kvf_tbl_touch(self.base, slot, now_ticks() if now is None else now)

@@ -130,6 +130,9 @@ class SimPlatform(Platform):
             except BufferError:
                 pass  # a user view still aliases it; it is released with that view
 
+    def host_addressable(self, medium: Medium) -> bool:
+        return True  # sim "device" memory is host memory
+
     def _register_host(self, ptr: int, nbytes: int) -> Any:
         return None  # host memory needs no pinning for the sim "device"
 
