@@ -121,6 +121,24 @@ class Platform(BackendPrimitives):
         self._addrmap.add(buf)
         return buf
 
+    def alloc_named(self, name: str, nbytes: int) -> tuple[Buffer, bool]:
+        """A shareable DRAM buffer that outlives this process under ``name``: created, or
+        re-attached (contents intact) when it exists with this size; ``(buffer, created)``.
+        ``free`` unmaps it; only :meth:`unlink_named` deletes it. For state a service must
+        find again after a restart (the pool daemon's window and directory)."""
+        self._check_open()
+        n = _check_size(nbytes)
+        ptr, impl, created = self._call(f"alloc_named {name!r} of {n} B", self._alloc_named, name, n)
+        buf = Buffer(
+            self, ptr, n, Medium.DRAM, device=self.device, kind=BufferKind.OWNED, shareable=True, impl=impl
+        )
+        self._addrmap.add(buf)
+        return buf, created
+
+    def unlink_named(self, name: str) -> bool:
+        """Delete the named buffer ``name`` (mappings stay valid until freed)."""
+        return bool(self._call(f"unlink_named {name!r}", self._unlink_named, name))
+
     def free(self, buffer: Buffer) -> None:
         """Release ``buffer`` (owned: free; imported: unmap; registered/wrapped: forget).
 

@@ -53,6 +53,13 @@ class BackendPrimitives(abc.ABC):
     @abc.abstractmethod
     def _free(self, buf: Buffer) -> None: ...
 
+    def _alloc_named(self, name: str, nbytes: int) -> tuple[int, Any, bool]:
+        """Create or re-attach a persistent shareable DRAM buffer: (address, state, created)."""
+        raise NotImplementedError(f"{self.name} has no named buffers")
+
+    def _unlink_named(self, name: str) -> bool:
+        raise NotImplementedError(f"{self.name} has no named buffers")
+
     @abc.abstractmethod
     def _copy(self, dst: int, src: int, nbytes: int, direction: Direction, stream: Stream | None) -> None: ...
 

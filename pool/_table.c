@@ -41,6 +41,7 @@ int64_t kvf_tbl_lookup(uint64_t base, uint64_t h, const uint8_t *key, uint32_t k
     kvf_slot *slots = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr));
     uint64_t nslots = hdr->nslots, mask = nslots - 1;
     const uint8_t *arena = (const uint8_t *)(slots + nslots);
+    if (LOAD_ACQ(&hdr->reserved[0])) return -3;              /* retired: the service restarted */
     for (int attempt = 0; attempt < 100000; attempt++) {
         uint64_t g1 = LOAD_ACQ(&hdr->struct_seq);
         if (g1 & 1) continue;
@@ -95,6 +96,7 @@ uint64_t kvf_tbl_seq(uint64_t base, int64_t i)
     kvf_hdr *hdr = (kvf_hdr *)(uintptr_t)base;
     kvf_slot *slots = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr));
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (LOAD_ACQ(&hdr->reserved[0])) return ~0ULL;          /* retired: nothing read from it counts */
     return (uint64_t)i < hdr->nslots ? LOAD_ACQ(&slots[i].seq) : ~0ULL;
 }
 

@@ -41,7 +41,7 @@ from kvfabric.pool.keys import encode_key, encode_keys
 from kvfabric.pool.reads import Reader
 from kvfabric.pool.rpc import Transport
 from kvfabric.pool.status import Status
-from kvfabric.pool.table import TableView, attach
+from kvfabric.pool.table import TableRetired, TableView, attach
 from kvfabric.pool.windows import Addressing
 
 log = logging.getLogger("kvfabric.pool.client")
@@ -109,6 +109,14 @@ class PoolClient:
             if w["rank"] != self.rank and w["handle"]:
                 self.dp.map(w["rank"], Medium(w["medium"]), w["handle"])
 
+    def _read(self, fn: Any, *args: Any) -> Any:
+        """Run a read; if the service restarted under it (table retired), catch up once."""
+        try:
+            return fn(*args)
+        except TableRetired:
+            self.refresh()
+            return fn(*args)
+
     def refresh(self) -> None:
         """Re-read the service's window list (new ranks) and table."""
         self._sync(self._call(p.Info()).data)
@@ -147,7 +155,7 @@ class PoolClient:
     def batch_exists(self, keys: Sequence[str]) -> np.ndarray:
         kb = encode_keys(keys)
         if self.table is not None:
-            return self.reader.exists_local(kb)
+            return self._read(self.reader.exists_local, kb)
         return np.array(self._call(p.Exists(kb)).flags, dtype=bool)
 
     def remove(self, key: str) -> bool:
@@ -309,26 +317,28 @@ class PoolClient:
     # ------------------------------------------------------------------ gets
     def get_into(self, key: str, ptr: int, nbytes: int) -> int:
         """Copy the object into ``[ptr, ptr + nbytes)``; its size. ``KeyNotFound`` if absent."""
-        return self.reader.get_into(encode_key(key), int(ptr), int(nbytes))
+        return self._read(self.reader.get_into, encode_key(key), int(ptr), int(nbytes))
 
     def get_into_layers(self, key: str, ptrs: Any, sizes: Any) -> int:
-        return self.reader.get_into_layers(encode_key(key), _u64(ptrs), _u64(sizes))
+        return self._read(self.reader.get_into_layers, encode_key(key), _u64(ptrs), _u64(sizes))
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
-        return self.reader.batch_get_into_layers(encode_keys(keys), _u64(ptrs)[:, None], _u64(sizes)[:, None])
+        return self._read(
+            self.reader.batch_get_into_layers, encode_keys(keys), _u64(ptrs)[:, None], _u64(sizes)[:, None]
+        )
 
     def batch_get_into_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
         kb = encode_keys(keys)
         P = np.asarray(ptrs, dtype=np.uint64).reshape(len(kb), -1)
         S = np.asarray(sizes, dtype=np.uint64)
         S = np.broadcast_to(S, P.shape) if S.ndim == 1 else S
-        return self.reader.batch_get_into_layers(kb, P, S)
+        return self._read(self.reader.batch_get_into_layers, kb, P, S)
 
     def get(self, key: str) -> bytes:
-        return self.reader.get(encode_key(key))
+        return self._read(self.reader.get, encode_key(key))
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [self.reader.get_or_none(k) for k in encode_keys(keys)]
+        return [self._read(self.reader.get_or_none, k) for k in encode_keys(keys)]
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -3,7 +3,14 @@
 Hosts the meta service (RPC on a Unix socket, mode 0600, and optionally TCP), the
 directory table and, by default, a DRAM window of its own, plus the optional HTTP
 endpoint. SIGTERM / SIGINT shut it down cleanly: RPC stops, shared segments are
-unlinked, the socket file is removed. Refuses to start when another daemon already
+unlinked, the socket file is removed.
+
+Crash and restart: the window and the directory table are named shared-memory segments
+that outlive the process. A daemon started after a crash re-attaches its window, retires
+the old table (clients reading it notice and fetch the new one), re-enters every readable
+object of its own window from the old table, and takes the re-registrations of the other
+ranks' objects as their clients reconnect. Readers never act on a half-rebuilt table: they
+use the old one until it is retired, and the new one only holds complete entries. Refuses to start when another daemon already
 answers on the same socket.
 """
 
@@ -33,7 +40,7 @@ class PoolDaemon:
     def __init__(self, config: PoolConfig, platform: Platform | None = None) -> None:
         self.config = config
         self._check_not_running()
-        self.node = PoolNode(config, platform)
+        self.node = PoolNode(config, platform, persistent=True)
         self.rpc = RpcServer(self.node.dispatcher, config.socket, config.tcp_addr, config.token)
         self.http: HttpEndpoint | None = None
         self._stopped = threading.Event()

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 
+from kvfabric.platform import shm
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.registry import create as create_platform
@@ -32,13 +33,24 @@ class PoolNode:
     """See module docstring. ``close()`` releases the table, the window and the platform
     (if the node created it)."""
 
-    def __init__(self, config: PoolConfig | None = None, platform: Platform | None = None) -> None:
+    def __init__(
+        self, config: PoolConfig | None = None, platform: Platform | None = None, persistent: bool = False
+    ) -> None:
         self.config = config or PoolConfig()
+        self.persistent = persistent
         self._own_platform = platform is None
         self.platform = platform or create_platform()
         self.addressing = FixedStride()
-        self.table = tbl.create(self.config.max_objects)
         self.window: Buffer | None = None
+        self.rebuilt = 0
+        adopted = False
+        if persistent and self.config.dram:
+            self.window, created = self.platform.alloc_named(self._name("window"), self.config.dram)
+            adopted = not created
+        epoch = int.from_bytes(os.urandom(8), "little") | 1
+        self.table = tbl.create(
+            self.config.max_objects, name=self._name(f"table.{epoch:016x}") if persistent else None
+        )
         try:
             self.service = MetaService(self.config, self.table, self.addressing)
             self.dispatcher = Dispatcher(
@@ -53,8 +65,9 @@ class PoolNode:
                 },
             )
             if self.config.dram:
-                self.window = self.platform.alloc(self.config.dram, Medium.DRAM, shareable=True)
-                if self.config.pretouch:
+                if self.window is None:
+                    self.window = self.platform.alloc(self.config.dram, Medium.DRAM, shareable=True)
+                if self.config.pretouch and not adopted:
                     _pretouch(self.window)
                 self.dispatcher.handle(
                     p.AddWindow(
@@ -66,9 +79,57 @@ class PoolNode:
                         os.getpid(),
                     )
                 )
+            if persistent:
+                self.rebuilt = self._adopt_old_tables(rebuild=adopted)
         except BaseException:
             self.close()
             raise
+
+    def _name(self, what: str) -> str:
+        return f"pool-{self.config.name}-{what}"
+
+    def _adopt_old_tables(self, rebuild: bool) -> int:
+        """A restart after a crash: retire the previous tables (readers then fetch the new
+        one) and, when this node's window survived, re-enter its readable objects."""
+        prefix = shm.NAMED + self._name("table.")
+        mine = self.table.seg.name
+        rebuilt = 0
+        for name in sorted(n for n in os.listdir(shm.shm_dir()) if n.startswith(prefix) and n != mine):
+            try:
+                old = tbl.attach_any(name)
+            except Exception as e:  # noqa: BLE001 - a torn or foreign segment: just remove it
+                log.warning("dropping unreadable old directory table %s: %s", name, e)
+                shm.unlink_named(name[len(shm.NAMED) :])
+                continue
+            old.retire()
+            if rebuild:
+                rebuilt += self._rebuild_from(old)
+            old.close()
+            shm.unlink_named(name[len(shm.NAMED) :])
+        if rebuilt:
+            log.warning(
+                "pool %r restarted: %d object(s) of its own window rebuilt", self.config.name, rebuilt
+            )
+        return rebuilt
+
+    def _rebuild_from(self, old: tbl.TableView) -> int:
+        import numpy as np
+
+        w = self.service.windows.get((0, Medium.DRAM))
+        if w is None:
+            return 0
+        s = old.slots
+        live = np.flatnonzero(
+            (s["hash"] != 0)
+            & (s["state"] == int(tbl.SlotState.READABLE))
+            & (s["gva"] >= w.lo)
+            & (s["gva"] + s["size"] <= w.hi)
+        )
+        keys = [old.key_of(int(i)) for i in live]
+        st = self.service.reregister(
+            keys, s["gva"][live].tolist(), s["size"][live].tolist(), s["gen"][live].tolist()
+        )
+        return sum(1 for x in st if x == 0)
 
     def client(self, **kwargs: object) -> PoolClient:
         """An in-process client (calls go straight to the dispatcher)."""
@@ -81,9 +142,14 @@ class PoolNode:
         self._closed = True
         if self.window is not None and not self.window.freed:
             self.platform.free(self.window)
+            if self.persistent:
+                self.platform.unlink_named(self._name("window"))
         seg = self.table.seg
         self.table.close()
-        seg.unlink()
+        if seg.owner:
+            seg.unlink()
+        else:
+            shm.unlink_named(seg.name[len(shm.NAMED) :])
         if self._own_platform:
             self.platform.close()
 

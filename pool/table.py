@@ -85,7 +85,11 @@ void kvf_tbl_seq_batch(uint64_t base, const int64_t *idx, uint64_t n, uint64_t *
 void kvf_tbl_touch_batch(uint64_t base, const int64_t *idx, uint64_t n, uint32_t now);
 """
 
-MISS, BUSY = -1, -2
+MISS, BUSY, RETIRED = -1, -2, -3
+
+
+class TableRetired(Exception):
+    """The table was retired by a restarted meta service: fetch the new one (``Info``)."""
 
 
 class SlotState(enum.IntEnum):
@@ -171,7 +175,9 @@ class TableView:
             tls.ptr = self._ffi.cast("uint64_t *", out.ctypes.data)
         lib = self._lib
         i = lib.kvf_tbl_lookup(self.base, lib.kvf_key_hash(key, len(key)), key, len(key), tls.ptr)
-        if i == BUSY:
+        if i < MISS:
+            if i == RETIRED:
+                raise TableRetired(self.seg.name)
             raise TimeoutError("directory table stayed busy for the whole lookup")
         return i, out.tolist()
 
@@ -199,6 +205,8 @@ class TableView:
             ffi.cast("int64_t *", idx.ctypes.data),
             ffi.cast("uint64_t *", out.ctypes.data),
         )
+        if (idx == RETIRED).any():
+            raise TableRetired(self.seg.name)
         if (idx == BUSY).any():
             raise TimeoutError("directory table stayed busy for the whole lookup")
         return idx, out
@@ -224,6 +232,16 @@ class TableView:
     def touch(self, slot: int, now: int | None = None) -> None:
         self._lib.kvf_tbl_touch(self.base, slot, now_ticks() if now is None else now)
 
+    def retire(self) -> None:
+        """Mark the table dead (a restarted service): readers stop trusting it."""
+        self.hdr["reserved"][0, 0] = 1
+        native().lib.kvf_seq_end(self.base + 3 * 8)  # a release store, ordering the flag first
+        native().lib.kvf_seq_end(self.base + 3 * 8)
+
+    @property
+    def retired(self) -> bool:
+        return bool(self.hdr["reserved"][0, 0])
+
     def key_of(self, slot: int) -> bytes:
         s = self.slots[slot]
         off, n = int(s["key_off"]), int(s["key_len"])
@@ -239,14 +257,27 @@ def attach(name: str, nbytes: int) -> TableView:
     return TableView(shm.attach(name, nbytes))
 
 
-def create(max_objects: int, avg_key_bytes: int = 64, load_factor: float = 0.75) -> TableView:
-    """Create an empty table sized for ``max_objects`` (the service)."""
+def attach_any(name: str) -> TableView:
+    """Map a table by segment name whatever its size (a restarted service reading the old one)."""
+    path = os.path.join(shm.shm_dir(), name)
+    return TableView(shm.attach(name, os.stat(path).st_size))
+
+
+def create(
+    max_objects: int, avg_key_bytes: int = 64, load_factor: float = 0.75, name: str | None = None
+) -> TableView:
+    """Create an empty table sized for ``max_objects`` (the service). ``name``: a
+    persistent segment (``shm.open_named``) that survives a crash of the service."""
     if max_objects < 1:
         raise ValueError(f"max_objects must be >= 1, got {max_objects}")
     nslots = 1 << max(4, int(np.ceil(np.log2(max_objects / load_factor))))
     arena = max(4096, max_objects * avg_key_bytes)
     try:
-        seg = shm.create(table_bytes(nslots, arena))
+        if name is None:
+            seg = shm.create(table_bytes(nslots, arena))
+        else:
+            shm.unlink_named(name)
+            seg, _ = shm.open_named(name, table_bytes(nslots, arena))
     except OutOfSpace as e:
         raise OutOfSpace(f"directory table for {max_objects} objects does not fit: {e}") from e
     hdr = np.frombuffer(seg.array, HDR, 1, 0)

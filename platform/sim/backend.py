@@ -116,13 +116,26 @@ class SimPlatform(Platform):
             self._release_bytes(nbytes)
             raise
 
+    def _alloc_named(self, name: str, nbytes: int) -> tuple[int, Any, bool]:
+        self._reserve(nbytes, Medium.DRAM)
+        try:
+            seg, created = shm.open_named(name, nbytes, self.config.shm_dir)
+        except BaseException:
+            self._release_bytes(nbytes)
+            raise
+        return seg.ptr, seg, created
+
+    def _unlink_named(self, name: str) -> bool:
+        return shm.unlink_named(name, self.config.shm_dir)
+
     def _free(self, buf: Buffer) -> None:
         impl = buf.impl
         buf.impl = None
         self._release_bytes(buf.nbytes)
         if isinstance(impl, shm.Segment):
             impl.close()
-            impl.unlink()
+            if impl.owner:  # named (persistent) segments are only unlinked by name
+                impl.unlink()
         elif isinstance(impl, _Private):
             impl.array = None  # type: ignore[assignment]
             try:
