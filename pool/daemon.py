@@ -10,8 +10,8 @@ that outlive the process. A daemon started after a crash re-attaches its window,
 the old table (clients reading it notice and fetch the new one), re-enters every readable
 object of its own window from the old table, and takes the re-registrations of the other
 ranks' objects as their clients reconnect. Readers never act on a half-rebuilt table: they
-use the old one until it is retired, and the new one only holds complete entries. Refuses to start when another daemon already
-answers on the same socket.
+use the old one until it is retired, and the new one only holds complete entries.
+Refuses to start when another daemon already answers on the same socket.
 """
 
 from __future__ import annotations
