@@ -7,8 +7,26 @@
  * changed under them. Acquire loads / fences come from the __atomic builtins, which give
  * the ordering ARM hosts need.
  */
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+
+/* Readers back off while a writer is inside a write section: spin, then yield, then
+ * sleep; a lookup gives up (-2) only after about two seconds of continuous writing,
+ * which means the service stalled mid-write (a stopped process), not a race. */
+static int backoff(int attempt, struct timespec *start)
+{
+    if (attempt < 64) return 1;
+    if (attempt < 256) { sched_yield(); return 1; }
+    struct timespec now, pause = {0, 50000};
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (attempt == 256) { *start = now; }
+    else if ((now.tv_sec - start->tv_sec) * 1000000000L + (now.tv_nsec - start->tv_nsec) > 2000000000L)
+        return 0;
+    nanosleep(&pause, NULL);
+    return 1;
+}
 
 typedef struct {
     uint64_t magic, layout, nslots, struct_seq, count, arena_size, arena_used, epoch;
@@ -42,7 +60,8 @@ int64_t kvf_tbl_lookup(uint64_t base, uint64_t h, const uint8_t *key, uint32_t k
     uint64_t nslots = hdr->nslots, mask = nslots - 1;
     const uint8_t *arena = (const uint8_t *)(slots + nslots);
     if (LOAD_ACQ(&hdr->reserved[0])) return -3;              /* retired: the service restarted */
-    for (int attempt = 0; attempt < 100000; attempt++) {
+    struct timespec start = {0, 0};
+    for (int attempt = 0; backoff(attempt, &start); attempt++) {
         uint64_t g1 = LOAD_ACQ(&hdr->struct_seq);
         if (g1 & 1) continue;
         uint64_t asize = hdr->arena_size;

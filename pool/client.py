@@ -14,6 +14,9 @@ Single calls raise typed errors (``KeyNotFound``, ``OutOfSpace``, ``LeaseExpired
 ``TransferFailed``, ``ServiceUnavailable``); batch calls return a per-key ``Status``
 array and raise only when the service itself is unreachable. Thread-safe.
 
+``local_reads=False`` makes a client on the node read like one on another node (RPC read
+leases), which is also how that path is tested.
+
 A client may contribute a window of its own (``window_bytes``): it becomes a rank of the
 pool, objects may be placed in its memory (its own puts first), and it re-registers
 those objects if the meta service restarts. ``metadata_only`` clients map nothing and
@@ -63,6 +66,7 @@ class PoolClient:
         window_bytes: int = 0,
         window_medium: Medium = Medium.DRAM,
         metadata_only: bool = False,
+        local_reads: bool = True,
         client_id: str | None = None,
     ) -> None:
         self.transport = transport
@@ -70,6 +74,7 @@ class PoolClient:
         self.addr = addressing
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.metadata_only = metadata_only
+        self.local_reads = local_reads
         self.dp = MappedDataPlane(platform, addressing)
         self.table: TableView | None = None
         self.rank: int | None = None
@@ -99,7 +104,7 @@ class PoolClient:
         """Attach the directory table and map every window the service lists."""
         if self.metadata_only:
             return
-        if self.table is None or self.table.seg.name != info["table"]:
+        if self.local_reads and (self.table is None or self.table.seg.name != info["table"]):
             try:
                 self.table = attach(info["table"], info["table_bytes"])
             except Exception as e:  # noqa: BLE001 - another node: no shared table, use RPC

@@ -102,12 +102,13 @@ class Dispatcher:
             return p.Reply(e, status=s.reregister(req.keys, req.gvas, req.sizes, req.gens))
         if isinstance(req, p.AddWindow):
             medium = Medium.parse(req.medium)
-            if (req.rank, medium) not in s.windows:
-                s.add_window(req.rank, medium, req.size)
-            self.windows[(req.rank, medium.value)] = WindowInfo(
-                req.rank, medium.value, req.size, req.handle, req.client
+            rank = req.rank if req.rank >= 0 else 1 + max((r for r, _ in s.windows), default=-1)
+            if (rank, medium) not in s.windows:
+                s.add_window(rank, medium, req.size)
+            self.windows[(rank, medium.value)] = WindowInfo(
+                rank, medium.value, req.size, req.handle, req.client, req.pid
             )
-            return p.Reply(e)
+            return p.Reply(e, data={"rank": rank})
         if isinstance(req, p.DropRank):
             removed = s.drop_rank(req.rank)
             for k in [k for k in self.windows if k[0] == req.rank]:

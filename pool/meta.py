@@ -174,14 +174,20 @@ class MetaService:
             return Status.INVALID, 0, 0
         if self.table.find(key) is not None:
             return Status.EXISTS, 0, 0
-        for w in self._candidates(home, preferred, medium):
-            if w.alloc.round(size) > w.alloc.capacity:
-                continue
-            off = w.alloc.alloc(size)
-            if off is None and self._evict(w, need=size):
-                off = w.alloc.alloc(size)
-            if off is None:
-                continue
+        wins = [
+            w for w in self._candidates(home, preferred, medium) if w.alloc.round(size) <= w.alloc.capacity
+        ]
+        placed = next(((w, off) for w in wins if (off := w.alloc.alloc(size)) is not None), None)
+        if placed is None:  # nothing free anywhere: evict, in placement order
+            placed = next(
+                (
+                    (w, off)
+                    for w in wins
+                    if self._evict(w, need=size) and (off := w.alloc.alloc(size)) is not None
+                ),
+                None,
+            )
+        for w, off in [placed] if placed is not None else []:
             gen = next(self._gen)
             gva = w.lo + off
             try:

@@ -50,13 +50,13 @@ class RpcServer:
             os.unlink(self.socket_path)  # stale: the daemon checked nothing answers there
         old = os.umask(0o177)
         try:
-            unix = Listener(self.socket_path, family="AF_UNIX")
+            unix = Listener(self.socket_path, family="AF_UNIX", backlog=128)
         finally:
             os.umask(old)
         os.chmod(self.socket_path, 0o600)
         self._listeners.append(unix)
         if self.tcp is not None:
-            tcp = Listener(self.tcp, family="AF_INET", authkey=self.token)
+            tcp = Listener(self.tcp, family="AF_INET", backlog=128, authkey=self.token)
             self.tcp_port = tcp.address[1]
             self._listeners.append(tcp)
         for lst in self._listeners:
