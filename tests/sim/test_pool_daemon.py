@@ -49,7 +49,7 @@ def _work(socket: str, env: dict, wid: int, rounds: int, out) -> None:
     rng = np.random.default_rng(wid)
     stats = {"put": 0, "get": 0, "bad": 0, "removed": 0, "shared": None}
     stats["shared"] = int(c.put("shared", content(f"shared-{wid}", 10_000)))
-    for i in range(rounds):
+    for _i in range(rounds):
         key = f"k{int(rng.integers(0, 60))}"
         op = rng.random()
         if op < 0.5:

@@ -83,11 +83,8 @@ def test_batched_zero_copy(client):
     ptrs = src.ctypes.data + np.arange(n) * size
     assert (client.batch_put_from(keys, ptrs, [size] * n) == Status.OK).all()
     dst = host(client, n * size)
-    st = client.batch_get_into(
-        keys + ["missing"],
-        list(dst.ctypes.data + np.arange(n) * size) + [dst.ctypes.data],
-        [size] * n + [size],
-    )
+    dst_ptrs = [*(dst.ctypes.data + np.arange(n) * size).tolist(), dst.ctypes.data]
+    st = client.batch_get_into([*keys, "missing"], dst_ptrs, [size] * (n + 1))
     assert st.tolist() == [Status.OK] * n + [Status.NOT_FOUND]
     assert np.array_equal(src, dst)
     # layer-wise batches: (k, m) pointers

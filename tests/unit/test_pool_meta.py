@@ -82,9 +82,9 @@ def test_write_lease_expiry_reclaims_space(env):
 
 
 def test_read_leases_block_eviction_and_defer_frees(env):
-    svc, clock = env
+    svc, _clock = env
     gva = put(svc, b"leased", 30 * KiB)
-    st, gvas, sizes, gens, lids = svc.lookup([b"leased"])
+    st, gvas, sizes, _gens, lids = svc.lookup([b"leased"])
     assert st == [Status.OK] and gvas == [gva] and sizes == [30 * KiB] and lids[0] > 0
     for i in range(10):  # fill: LRU eviction must skip the leased object
         put(svc, f"filler{i}".encode(), 20 * KiB)
@@ -155,7 +155,7 @@ def test_rank_leaving_removes_its_objects_now(env):
     svc.add_window(1, Medium.DRAM, 100 * KiB)
     put(svc, b"on1", KiB, client="x")
     svc.alloc("x", [b"elsewhere"], [KiB], preferred_rank=0)
-    st, g, _ = svc.alloc("x", [b"on1b"], [KiB], preferred_rank=1)
+    _st, g, _ = svc.alloc("x", [b"on1b"], [KiB], preferred_rank=1)
     assert svc.addr.decode(g[0])[1] == 1
     before = svc.table.count
     removed = svc.drop_rank(1)
