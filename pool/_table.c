@@ -57,7 +57,7 @@ int64_t kvf_tbl_lookup(uint64_t base, uint64_t h, const uint8_t *key, uint32_t k
 {
     kvf_hdr *hdr = (kvf_hdr *)(uintptr_t)base;
     kvf_slot *slots = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr));
-    uint64_t nslots = hdr->nslots, mask = nslots - 1;
+    uint64_t nslots = hdr->nslots;
     const uint8_t *arena = (const uint8_t *)(slots + nslots);
     if (LOAD_ACQ(&hdr->reserved[0])) return -3;              /* retired: the service restarted */
     struct timespec start = {0, 0};
@@ -67,8 +67,8 @@ int64_t kvf_tbl_lookup(uint64_t base, uint64_t h, const uint8_t *key, uint32_t k
         uint64_t asize = hdr->arena_size;
         int64_t found = -1;
         int busy = 0;
-        uint64_t i = h & mask;
-        for (uint64_t probe = 0; probe < nslots; probe++, i = (i + 1) & mask) {
+        uint64_t i = h % nslots;
+        for (uint64_t probe = 0; probe < nslots; probe++, i = (i + 1 == nslots) ? 0 : i + 1) {
             kvf_slot *s = &slots[i];
             uint64_t s1 = LOAD_ACQ(&s->seq);
             if (s1 & 1) { busy = 1; break; }

@@ -6,7 +6,8 @@ and looks keys up with no RPC. Layout (one shared-memory segment):
 * a 128-byte header (``HDR``): magic, layout version, slot count, ``struct_seq``,
   object count, key-arena size and use, service epoch;
 * ``nslots`` 64-byte slots (``SLOT``), open addressing with linear probing on a 64-bit
-  key hash (0 marks an empty slot); each slot carries its own sequence counter ``seq``;
+  key hash modulo ``nslots`` (0 marks an empty slot); each slot carries its own
+  sequence counter ``seq``;
 * a key arena holding the UTF-8 key bytes that slots point into.
 
 Write protocol (service only, one thread): a slot is changed between ``seq`` going odd
@@ -264,13 +265,13 @@ def attach_any(name: str) -> TableView:
 
 
 def create(
-    max_objects: int, avg_key_bytes: int = 64, load_factor: float = 0.75, name: str | None = None
+    max_objects: int, avg_key_bytes: int = 64, load_factor: float = 0.85, name: str | None = None
 ) -> TableView:
     """Create an empty table sized for ``max_objects`` (the service). ``name``: a
     persistent segment (``shm.open_named``) that survives a crash of the service."""
     if max_objects < 1:
         raise ValueError(f"max_objects must be >= 1, got {max_objects}")
-    nslots = 1 << max(4, int(np.ceil(np.log2(max_objects / load_factor))))
+    nslots = max(16, int(np.ceil(max_objects / load_factor)))
     arena = max(4096, max_objects * avg_key_bytes)
     try:
         if name is None:

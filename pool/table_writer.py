@@ -24,7 +24,7 @@ class TableWriter:
     def __init__(self, view: TableView) -> None:
         self.view = view
         self.slots = view.slots
-        self.mask = view.nslots - 1
+        self.n = view.nslots
         self._lib = view._lib
         self._hdr_addr = view.base
         self._struct_addr = view.base + 3 * 8  # HDR.struct_seq
@@ -71,7 +71,7 @@ class TableWriter:
             if self._hdr("arena_used") + len(key) > self._hdr("arena_size"):
                 raise OutOfSpace(f"directory key arena full ({self._hdr('arena_size')} B of keys)")
         h = self.hash_key(key)
-        i = self._first_empty(h & self.mask)
+        i = self._first_empty(h % self.n)
         off = self._hdr("arena_used")
         self.view.arena[off : off + len(key)] = np.frombuffer(key, np.uint8)
         self._set_hdr("arena_used", off + len(key))
@@ -99,7 +99,7 @@ class TableWriter:
             free = np.flatnonzero(hashes[i:stop] == 0)
             if free.size:
                 return i + int(free[0])
-            i = stop & self.mask
+            i = stop % self.n
 
     def _write(self, i: int, **fields: int) -> None:
         addr = self._seq_addr(i)
@@ -128,11 +128,11 @@ class TableWriter:
             self._clear(i)
             j = i
             while True:
-                j = (j + 1) & self.mask
+                j = (j + 1) % self.n
                 h = int(hashes[j])
                 if h == 0:
                     break
-                k = h & self.mask
+                k = h % self.n
                 stays = (i < k <= j) if i <= j else (k > i or k <= j)
                 if stays:
                     continue
