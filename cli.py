@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="one JSON object per line")
     b.add_argument("--rounds", type=int, default=5, help="rounds per case (median reported; >= 5)")
     b.set_defaults(fn=cmd_bench)
+    from kvfabric.pool.cli import add_parser as add_pool_parser
+
+    add_pool_parser(sub)
     s = sub.add_parser("shm", help="list or sweep kvfabric shared-memory segments")
     s.add_argument("action", choices=("list", "sweep"), nargs="?", default="list")
     s.set_defaults(fn=cmd_shm)

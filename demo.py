@@ -1,8 +1,9 @@
 """``kvfabric demo``: the stack end to end on the embedded default, with its figures.
 
-Today it exercises the platform layer: a second process owns a shareable window and
-exports it; this process maps it, writes and reads it with single and batched copies,
-and checks every byte against the peer's own view of the memory.
+The platform layer: a second process owns a shareable window and exports it; this
+process maps it, writes and reads it with single and batched copies, and checks every
+byte against the peer's own view of the memory. The pool: an embedded pool stores and
+serves KV-block-shaped objects (``kvfabric.pool.demo``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def run_demo(platform: str | None = None) -> int:
                     f"{row.sim_gbps:.2f}",
                 )
             con.print(t)
+        from kvfabric.pool import demo as pool_demo
+
+        ok &= pool_demo.run(con, plat)
     finally:
         plat.close()
         peer.stop()

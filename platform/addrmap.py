@@ -28,6 +28,9 @@ class _Snapshot:
     ends: np.ndarray  # uint64
     media: np.ndarray  # uint8 (0 = DRAM, 1 = HBM)
     buffers: tuple[Buffer, ...]
+    start_list: list[int]
+    end_list: list[int]
+    media_list: list[int]
 
 
 class AddressMap:
@@ -82,11 +85,17 @@ class AddressMap:
         if snap is None:
             with self._lock:
                 bufs = tuple(self._buffers)
+                starts = [b.ptr for b in bufs]
+                ends = [b.end for b in bufs]
+                media = [_MEDIUM_CODE[b.medium] for b in bufs]
                 snap = _Snapshot(
-                    np.array([b.ptr for b in bufs], np.uint64),
-                    np.array([b.end for b in bufs], np.uint64),
-                    np.array([_MEDIUM_CODE[b.medium] for b in bufs], np.uint8),
+                    np.array(starts, np.uint64),
+                    np.array(ends, np.uint64),
+                    np.array(media, np.uint8),
                     bufs,
+                    starts,
+                    ends,
+                    media,
                 )
                 self._snapshot = snap
         return snap
@@ -96,6 +105,17 @@ class AddressMap:
         snap = self._snap()
         if ptrs.size == 0:
             return np.zeros(0, np.uint8)
+        if ptrs.size <= 4:  # a few pieces: scalar bisection beats numpy's per-call overhead
+            out = np.empty(ptrs.size, np.uint8)
+            for k, (p, n) in enumerate(zip(ptrs.tolist(), sizes.tolist())):
+                i = bisect.bisect_right(snap.start_list, p) - 1
+                if i < 0 or p + n > snap.end_list[i]:
+                    raise ValueError(
+                        f"batch item {k}: {what} range {p:#x}+{n} is not inside any live buffer "
+                        "of this platform"
+                    )
+                out[k] = snap.media_list[i]
+            return out
         idx = np.searchsorted(snap.starts, ptrs, side="right").astype(np.int64) - 1
         ok = idx >= 0
         safe = np.where(ok, idx, 0)

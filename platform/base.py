@@ -121,6 +121,24 @@ class Platform(BackendPrimitives):
         self._addrmap.add(buf)
         return buf
 
+    def alloc_named(self, name: str, nbytes: int) -> tuple[Buffer, bool]:
+        """A shareable DRAM buffer that outlives this process under ``name``: created, or
+        re-attached (contents intact) when it exists with this size; ``(buffer, created)``.
+        ``free`` unmaps it; only :meth:`unlink_named` deletes it. For state a service must
+        find again after a restart (the pool daemon's window and directory)."""
+        self._check_open()
+        n = _check_size(nbytes)
+        ptr, impl, created = self._call(f"alloc_named {name!r} of {n} B", self._alloc_named, name, n)
+        buf = Buffer(
+            self, ptr, n, Medium.DRAM, device=self.device, kind=BufferKind.OWNED, shareable=True, impl=impl
+        )
+        self._addrmap.add(buf)
+        return buf, created
+
+    def unlink_named(self, name: str) -> bool:
+        """Delete the named buffer ``name`` (mappings stay valid until freed)."""
+        return bool(self._call(f"unlink_named {name!r}", self._unlink_named, name))
+
     def free(self, buffer: Buffer) -> None:
         """Release ``buffer`` (owned: free; imported: unmap; registered/wrapped: forget).
 
@@ -232,14 +250,15 @@ class Platform(BackendPrimitives):
         buffers, spans or addresses. Every range must lie in a live buffer of this
         platform (checked, vectorised, before anything is copied)."""
         batch = items if isinstance(items, CopyBatch) else CopyBatch.from_items(items)
-        if len(batch) == 0:
+        n = len(batch)
+        if n == 0:
             return
-        if not batch.nbytes.all():
+        if not (batch.nbytes.all() if n > 4 else all(batch.nbytes.tolist())):
             raise ValueError(f"batch item {int(np.flatnonzero(batch.nbytes == 0)[0])}: nbytes is 0")
         self._check_stream(stream)
         dst_m = self._addrmap.media_of(batch.dst, batch.nbytes, "dst")
         src_m = self._addrmap.media_of(batch.src, batch.nbytes, "src")
-        directions = (src_m * 2 + dst_m).astype(np.uint8)
+        directions = src_m * np.uint8(2) + dst_m
         self._call(
             lambda: f"batch copy of {len(batch)} pieces ({batch.total_bytes} B)",
             self._batch_copy,

@@ -1,8 +1,7 @@
 """Native helpers (batched memcpy, gather/scatter, atomics, fences) compiled on first use.
 
 ``get()`` returns a :class:`Native` whose methods take numpy address arrays. The C source
-(``_native.c``) is compiled once per source hash with cffi into ``KVFABRIC_CACHE_DIR``
-(concurrent builders race harmlessly: each builds in a private directory and renames).
+(``_native.c``) is compiled once per source hash (``cbuild.py``).
 When no compiler is available, or ``KVFABRIC_NATIVE=0``, a ctypes fallback with the same
 methods is returned; its ``atomics_are_real`` is False (plain loads/stores are still
 single-copy atomic for aligned 8-byte words on x86-64 and ARMv8, but read-modify-write
@@ -12,20 +11,15 @@ operations are not atomic across processes).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.machinery
-import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvfabric.envs import KVFABRIC_CACHE_DIR, KVFABRIC_NATIVE
+from kvfabric.envs import KVFABRIC_NATIVE
+from kvfabric.platform import cbuild
 
 log = logging.getLogger("kvfabric.native")
 
@@ -58,7 +52,7 @@ class Native:
         self._lib = module.lib
 
     def _p(self, a: np.ndarray) -> Any:
-        return self._ffi.cast("uint64_t *", a.ctypes.data)
+        return self._ffi.from_buffer("uint64_t[]", a)
 
     def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> None:
         d, s, k = _u64(dst), _u64(src), _u64(n)
@@ -150,37 +144,8 @@ _lock = threading.Lock()
 _cached: Native | CtypesNative | None = None
 
 
-def _build(cache: Path, modname: str, src: str) -> Path:
-    import cffi
-
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{modname}.", dir=cache))
-    try:
-        ffi = cffi.FFI()
-        ffi.cdef(_CDEF)
-        ffi.set_source(modname, src, extra_compile_args=["-O2"])
-        built = Path(ffi.compile(tmpdir=str(tmp), verbose=False))
-        final = cache / built.name
-        os.replace(built, final)
-        return final
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _load() -> Native:
-    src = _SRC_PATH.read_text()
-    digest = hashlib.sha256((src + _CDEF).encode()).hexdigest()[:16]
-    modname = f"_kvf_native_{digest}"
-    cache = Path(KVFABRIC_CACHE_DIR.get()) / "native"
-    found = sorted(cache.glob(f"{modname}.*.so")) + sorted(cache.glob(f"{modname}.so"))
-    path = found[0] if found else _build(cache, modname, src)
-    loader = importlib.machinery.ExtensionFileLoader(modname, str(path))
-    spec = importlib.util.spec_from_file_location(modname, path, loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return Native(module)
+    return Native(cbuild.load("_kvf_native", _SRC_PATH.read_text(), _CDEF))
 
 
 def get() -> Native | CtypesNative:

@@ -29,6 +29,11 @@ class BackendPrimitives(abc.ABC):
     name: str
     device: int
 
+    def host_addressable(self, medium: Medium) -> bool:
+        """Whether the CPU can load and store this medium's memory directly (then callers may
+        memcpy between such buffers without a device copy). DRAM always; HBM only on sim."""
+        return medium is Medium.DRAM
+
     # ------------------------------------------------------------------ views
     def _numpy_view(self, buf: Buffer) -> np.ndarray:
         if buf.medium is not Medium.DRAM:
@@ -47,6 +52,13 @@ class BackendPrimitives(abc.ABC):
 
     @abc.abstractmethod
     def _free(self, buf: Buffer) -> None: ...
+
+    def _alloc_named(self, name: str, nbytes: int) -> tuple[int, Any, bool]:
+        """Create or re-attach a persistent shareable DRAM buffer: (address, state, created)."""
+        raise NotImplementedError(f"{self.name} has no named buffers")
+
+    def _unlink_named(self, name: str) -> bool:
+        raise NotImplementedError(f"{self.name} has no named buffers")
 
     @abc.abstractmethod
     def _copy(self, dst: int, src: int, nbytes: int, direction: Direction, stream: Stream | None) -> None: ...

@@ -142,6 +142,18 @@ class RuntimePlatform(Platform):
             raise
         return seg.ptr, _SharedHost(seg)
 
+    def _alloc_named(self, name: str, nbytes: int) -> tuple[int, Any, bool]:
+        seg, created = shm.open_named(name, nbytes)
+        try:
+            self.runtime.host_register(seg.ptr, nbytes)
+        except BaseException:
+            seg.close()
+            raise
+        return seg.ptr, _SharedHost(seg), created
+
+    def _unlink_named(self, name: str) -> bool:
+        return shm.unlink_named(name)
+
     def _free(self, buf: Buffer) -> None:
         impl, buf.impl = buf.impl, None
         if isinstance(impl, _DeviceAlloc):
@@ -153,7 +165,8 @@ class RuntimePlatform(Platform):
                 self.runtime.host_unregister(impl.seg.ptr)
             finally:
                 impl.seg.close()
-                impl.seg.unlink()
+                if impl.seg.owner:
+                    impl.seg.unlink()
 
     def _register_host(self, ptr: int, nbytes: int) -> Any:
         self.runtime.host_register(ptr, nbytes)

@@ -136,6 +136,61 @@ def create(nbytes: int, directory: str | None = None) -> Segment:
     return Segment(name, path, nbytes, mm, arr, owner=True)
 
 
+NAMED = "kvf.n."
+_NAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def _named(name: str, directory: str | None) -> tuple[str, str]:
+    if not name or not set(name) <= _NAME_OK or len(name) > 200:
+        raise ValueError(f"segment name {name!r}: use 1-200 letters, digits, '_', '.', '-'")
+    full = NAMED + name
+    return full, os.path.join(directory or shm_dir(), full)
+
+
+def open_named(name: str, nbytes: int, directory: str | None = None) -> tuple[Segment, bool]:
+    """Create the persistent segment ``kvf.n.<name>``, or map it if it already exists with
+    this size; ``(segment, created)``. It outlives every process (never unlinked at exit,
+    never swept) until :func:`unlink_named`."""
+    if nbytes <= 0:
+        raise ValueError(f"segment size must be > 0, got {nbytes}")
+    full, path = _named(name, directory)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        created = True
+    except FileExistsError:
+        fd = os.open(path, os.O_RDWR)
+        created = False
+    except FileNotFoundError as e:
+        raise OutOfSpace(f"shared-memory directory {os.path.dirname(path)!r} does not exist") from e
+    try:
+        if created:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                os.unlink(path)
+                if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                    raise OutOfSpace(f"shared memory of {nbytes} B does not fit ({e})") from e
+                raise
+        else:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise HandleError(f"segment {full!r} exists with {size} B, not {nbytes} B")
+        mm, arr = _map(fd, nbytes)
+    finally:
+        os.close(fd)
+    return Segment(full, path, nbytes, mm, arr, owner=False), created
+
+
+def unlink_named(name: str, directory: str | None = None) -> bool:
+    """Delete the persistent segment ``kvf.n.<name>``; False if it did not exist."""
+    _, path = _named(name, directory)
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def attach(name: str, nbytes: int, directory: str | None = None) -> Segment:
     """Map an existing segment created by another process (never unlinks it)."""
     if not name.startswith(PREFIX) or "/" in name:

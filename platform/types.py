@@ -6,6 +6,7 @@ Everything here is immutable and cheap; nothing touches a device runtime.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
@@ -111,7 +112,7 @@ class CopyBatch:
     def __len__(self) -> int:
         return int(self.dst.size)
 
-    @property
+    @functools.cached_property
     def total_bytes(self) -> int:
         return int(self.nbytes.sum())
 

@@ -116,19 +116,35 @@ class SimPlatform(Platform):
             self._release_bytes(nbytes)
             raise
 
+    def _alloc_named(self, name: str, nbytes: int) -> tuple[int, Any, bool]:
+        self._reserve(nbytes, Medium.DRAM)
+        try:
+            seg, created = shm.open_named(name, nbytes, self.config.shm_dir)
+        except BaseException:
+            self._release_bytes(nbytes)
+            raise
+        return seg.ptr, seg, created
+
+    def _unlink_named(self, name: str) -> bool:
+        return shm.unlink_named(name, self.config.shm_dir)
+
     def _free(self, buf: Buffer) -> None:
         impl = buf.impl
         buf.impl = None
         self._release_bytes(buf.nbytes)
         if isinstance(impl, shm.Segment):
             impl.close()
-            impl.unlink()
+            if impl.owner:  # named (persistent) segments are only unlinked by name
+                impl.unlink()
         elif isinstance(impl, _Private):
             impl.array = None  # type: ignore[assignment]
             try:
                 impl.mm.close()
             except BufferError:
                 pass  # a user view still aliases it; it is released with that view
+
+    def host_addressable(self, medium: Medium) -> bool:
+        return True  # sim "device" memory is host memory
 
     def _register_host(self, ptr: int, nbytes: int) -> Any:
         return None  # host memory needs no pinning for the sim "device"
@@ -198,9 +214,15 @@ class SimPlatform(Platform):
         t0 = time.perf_counter()
         self._native.memcpy_batch(batch.dst, batch.src, batch.nbytes)
         wall = time.perf_counter() - t0
-        per_dir = {Direction(int(d)): int(batch.nbytes[directions == d].sum()) for d in np.unique(directions)}
-        sim = self.config.cost_model.batch_seconds(per_dir, len(batch))
         total = batch.total_bytes
+        first = int(directions[0])
+        if len(batch) == 1 or (directions == first).all():
+            per_dir = {Direction(first): total}
+        else:
+            per_dir = {
+                Direction(int(d)): int(batch.nbytes[directions == d].sum()) for d in np.unique(directions)
+            }
+        sim = self.config.cost_model.batch_seconds(per_dir, len(batch))
         for d, n in per_dir.items():  # split wall and simulated time by bytes
             share = n / total
             self.ledger.add(d, n, wall * share, sim * share)

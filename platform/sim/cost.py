@@ -60,6 +60,10 @@ class CostModel:
         each direction at its bandwidth, and the per-piece descriptor cost."""
         if not bytes_by_direction:
             return 0.0
+        if len(bytes_by_direction) == 1:
+            ((d, n),) = bytes_by_direction.items()
+            link = self.link(d)
+            return link.latency_us * 1e-6 + n / (link.gbps * 1e9) + pieces * self.batch_piece_us * 1e-6
         lat = max(self.link(d).latency_us for d in bytes_by_direction) * 1e-6
         xfer = sum(n / (self.link(d).gbps * 1e9) for d, n in bytes_by_direction.items())
         return lat + xfer + pieces * self.batch_piece_us * 1e-6

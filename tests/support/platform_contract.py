@@ -342,3 +342,21 @@ def test_close_releases_everything(spec, isolated_shm):
 def test_info_names_the_devices(plat):
     info = plat.info()
     assert info.name == plat.name and info.devices and info.supports_ipc
+
+
+def test_named_buffers_outlive_their_mapping(plat, spec, isolated_shm):
+    buf, created = plat.alloc_named("contract-test", 8192)
+    assert created and buf.medium is Medium.DRAM and buf.shareable
+    put(plat, buf, pattern(8192, 21))
+    mapped = plat.import_handle(plat.export_handle(buf))
+    plat.free(buf)
+    plat.free(mapped)
+    again, created = plat.alloc_named("contract-test", 8192)
+    assert not created
+    assert np.array_equal(get(plat, again), pattern(8192, 21))
+    with pytest.raises(KVFabricError, match="exists with 8192 B"):
+        plat.alloc_named("contract-test", 4096)
+    with pytest.raises(ValueError, match="segment name"):
+        plat.alloc_named("bad/name", 64)
+    plat.free(again)
+    assert plat.unlink_named("contract-test") and not plat.unlink_named("contract-test")

@@ -1,0 +1,151 @@
+/* kvfabric pool directory table: lock-free readers for the meta service's shared table.
+ *
+ * Layout (see table.py): a 128-byte header, nslots 64-byte slots (open addressing, linear
+ * probing), then a key arena. One writer (the meta service) updates a slot under its
+ * sequence counter (odd while writing) and moves slots (backward-shift delete, arena
+ * compaction) under the header's struct_seq; readers in any process retry when either
+ * changed under them. Acquire loads / fences come from the __atomic builtins, which give
+ * the ordering ARM hosts need.
+ */
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* Readers back off while a writer is inside a write section: spin, then yield, then
+ * sleep; a lookup gives up (-2) only after about two seconds of continuous writing,
+ * which means the service stalled mid-write (a stopped process), not a race. */
+static int backoff(int attempt, struct timespec *start)
+{
+    if (attempt < 64) return 1;
+    if (attempt < 256) { sched_yield(); return 1; }
+    struct timespec now, pause = {0, 50000};
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (attempt == 256) { *start = now; }
+    else if ((now.tv_sec - start->tv_sec) * 1000000000L + (now.tv_nsec - start->tv_nsec) > 2000000000L)
+        return 0;
+    nanosleep(&pause, NULL);
+    return 1;
+}
+
+typedef struct {
+    uint64_t magic, layout, nslots, struct_seq, count, arena_size, arena_used, epoch;
+    uint64_t reserved[8];
+} kvf_hdr;
+
+typedef struct {
+    uint64_t seq, hash, gva, size, gen, key_off;
+    uint32_t key_len, atime, expire;
+    uint8_t state, pad[3];
+} kvf_slot;
+
+#define LOAD_ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+
+uint64_t kvf_key_hash(const uint8_t *key, uint64_t len)
+{
+    uint64_t h = 0xcbf29ce484222325ULL;            /* FNV-1a 64 ... */
+    for (uint64_t i = 0; i < len; i++) { h ^= key[i]; h *= 0x100000001b3ULL; }
+    h ^= h >> 30; h *= 0xbf58476d1ce4e5b9ULL;        /* ... with a splitmix64 finish */
+    h ^= h >> 27; h *= 0x94d049bb133111ebULL;
+    h ^= h >> 31;
+    return h ? h : 1;                                /* 0 marks an empty slot */
+}
+
+/* Find `key` (hash h). out[0..5] = seq, gva, size, gen, state, expire of the slot.
+ * Returns the slot index, -1 when absent, -2 when writers kept it busy too long. */
+int64_t kvf_tbl_lookup(uint64_t base, uint64_t h, const uint8_t *key, uint32_t klen, uint64_t *out)
+{
+    kvf_hdr *hdr = (kvf_hdr *)(uintptr_t)base;
+    kvf_slot *slots = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr));
+    uint64_t nslots = hdr->nslots;
+    const uint8_t *arena = (const uint8_t *)(slots + nslots);
+    if (LOAD_ACQ(&hdr->reserved[0])) return -3;              /* retired: the service restarted */
+    struct timespec start = {0, 0};
+    for (int attempt = 0; backoff(attempt, &start); attempt++) {
+        uint64_t g1 = LOAD_ACQ(&hdr->struct_seq);
+        if (g1 & 1) continue;
+        uint64_t asize = hdr->arena_size;
+        int64_t found = -1;
+        int busy = 0;
+        uint64_t i = h % nslots;
+        for (uint64_t probe = 0; probe < nslots; probe++, i = (i + 1 == nslots) ? 0 : i + 1) {
+            kvf_slot *s = &slots[i];
+            uint64_t s1 = LOAD_ACQ(&s->seq);
+            if (s1 & 1) { busy = 1; break; }
+            uint64_t sh = s->hash;
+            if (sh == 0) break;
+            if (sh != h || s->key_len != klen) continue;
+            uint64_t off = s->key_off;
+            if (off > asize || klen > asize - off) continue;   /* torn read: re-checked below */
+            int same = memcmp(arena + off, key, klen) == 0;
+            uint64_t gva = s->gva, size = s->size, gen = s->gen;
+            uint64_t state = s->state, expire = s->expire;
+            __atomic_thread_fence(__ATOMIC_ACQUIRE);
+            if (__atomic_load_n(&s->seq, __ATOMIC_RELAXED) != s1) { busy = 1; break; }
+            if (!same) continue;
+            out[0] = s1; out[1] = gva; out[2] = size; out[3] = gen; out[4] = state; out[5] = expire;
+            found = (int64_t)i;
+            break;
+        }
+        if (busy) continue;
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&hdr->struct_seq, __ATOMIC_RELAXED) != g1) continue;
+        return found;
+    }
+    return -2;
+}
+
+/* Batched lookup: keys packed in `keys` at offs[k]..offs[k]+lens[k]; results into
+ * idx[k] (slot, -1, -2) and out[6k..6k+5]; hashes computed here. Returns hits. */
+uint64_t kvf_tbl_lookup_batch(uint64_t base, const uint8_t *keys, const uint64_t *offs,
+                              const uint32_t *lens, uint64_t n, int64_t *idx, uint64_t *out)
+{
+    uint64_t hits = 0;
+    for (uint64_t k = 0; k < n; k++) {
+        const uint8_t *key = keys + offs[k];
+        idx[k] = kvf_tbl_lookup(base, kvf_key_hash(key, lens[k]), key, lens[k], out + 6 * k);
+        hits += idx[k] >= 0;
+    }
+    return hits;
+}
+
+/* The slot's sequence counter now (acquire), for the after-copy re-check. */
+uint64_t kvf_tbl_seq(uint64_t base, int64_t i)
+{
+    kvf_hdr *hdr = (kvf_hdr *)(uintptr_t)base;
+    kvf_slot *slots = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr));
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (LOAD_ACQ(&hdr->reserved[0])) return ~0ULL;          /* retired: nothing read from it counts */
+    return (uint64_t)i < hdr->nslots ? LOAD_ACQ(&slots[i].seq) : ~0ULL;
+}
+
+/* A reader marks recency (relaxed: a hint, outside the seqlock). */
+void kvf_tbl_touch(uint64_t base, int64_t i, uint32_t now)
+{
+    kvf_hdr *hdr = (kvf_hdr *)(uintptr_t)base;
+    kvf_slot *slots = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr));
+    if ((uint64_t)i < hdr->nslots) __atomic_store_n(&slots[i].atime, now, __ATOMIC_RELAXED);
+}
+
+/* Writer side: open / close a slot's or the table's write section. */
+void kvf_seq_begin(uint64_t addr) { __atomic_fetch_add((uint64_t *)(uintptr_t)addr, 1, __ATOMIC_ACQ_REL);
+                                    __atomic_thread_fence(__ATOMIC_RELEASE); }
+void kvf_seq_end(uint64_t addr) { __atomic_fetch_add((uint64_t *)(uintptr_t)addr, 1, __ATOMIC_RELEASE); }
+
+/* Hash many keys packed like kvf_tbl_lookup_batch's input. */
+void kvf_key_hash_batch(const uint8_t *keys, const uint64_t *offs, const uint32_t *lens, uint64_t n,
+                        uint64_t *out)
+{
+    for (uint64_t k = 0; k < n; k++) out[k] = kvf_key_hash(keys + offs[k], lens[k]);
+}
+
+/* Sequence counters of many slots (acquire), for the after-copy re-check of a batch. */
+void kvf_tbl_seq_batch(uint64_t base, const int64_t *idx, uint64_t n, uint64_t *out)
+{
+    for (uint64_t k = 0; k < n; k++) out[k] = kvf_tbl_seq(base, idx[k]);
+}
+
+void kvf_tbl_touch_batch(uint64_t base, const int64_t *idx, uint64_t n, uint32_t now)
+{
+    for (uint64_t k = 0; k < n; k++) if (idx[k] >= 0) kvf_tbl_touch(base, idx[k], now);
+}

@@ -1,0 +1,93 @@
+"""``kvfabric pool serve`` and ``kvfabric pool status``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+log = logging.getLogger("kvfabric.pool")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    pool = sub.add_parser("pool", help="the pool daemon: serve, status")
+    psub = pool.add_subparsers(dest="pool_command", required=True)
+    serve = psub.add_parser("serve", help="run the pool daemon of this node (until SIGTERM)")
+    serve.add_argument("--config", help="YAML file of pool settings (command-line flags win)")
+    serve.add_argument("--name", help="pool name (names the socket and segments)")
+    serve.add_argument("--dram", help="DRAM the daemon contributes, e.g. 4GiB (0: none)")
+    serve.add_argument("--max-objects", dest="max_objects", help="directory capacity")
+    serve.add_argument("--socket", help="Unix socket path for RPC")
+    serve.add_argument("--tcp", help="also serve RPC on HOST:PORT")
+    serve.add_argument("--token", help="shared secret for TCP clients")
+    serve.add_argument("--http", help="HTTP endpoint HOST:PORT (/health, /metrics, /capacity, /keys)")
+    serve.set_defaults(fn=cmd_serve)
+    status = psub.add_parser("status", help="capacity, ranks and objects of a running daemon")
+    status.add_argument("--socket", help="Unix socket path of the daemon")
+    status.add_argument("--name", default="default", help="pool name (for the default socket)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(fn=cmd_status)
+
+
+def _config(args: argparse.Namespace):  # noqa: ANN202 - PoolConfig
+    from kvfabric.pool.config import PoolConfig
+
+    overrides = {
+        k: getattr(args, k) for k in ("name", "dram", "max_objects", "socket", "tcp", "token", "http")
+    }
+    if args.config:
+        return PoolConfig.from_file(args.config, **overrides)
+    return PoolConfig.from_mapping({}, **overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvfabric.pool.daemon import PoolDaemon
+
+    daemon = PoolDaemon(_config(args))
+    daemon.start()
+    print(json.dumps({"event": "ready", **daemon.endpoints()}), flush=True)
+    daemon.serve_forever()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvfabric.errors import ServiceUnavailable
+    from kvfabric.pool import protocol as p
+    from kvfabric.pool.config import default_socket
+    from kvfabric.pool.rpc import SocketTransport
+
+    t = SocketTransport(args.socket or default_socket(args.name), timeout=2.0)
+    try:
+        info = t.call(p.Info()).data
+    except ServiceUnavailable as e:
+        print(f"kvfabric pool status: {e}", file=sys.stderr)
+        return 1
+    finally:
+        t.close()
+    if args.json:
+        info = {k: v for k, v in info.items() if k != "windows"} | {
+            "windows": [{k: v for k, v in w.items() if k != "handle"} for w in info["windows"]]
+        }
+        print(json.dumps(info, default=str))
+        return 0
+    con = Console()
+    con.print(
+        f"pool [bold]{info['name']}[/] on {info['platform']}: {info['objects']} objects "
+        f"(max {info['max_objects']}), up {info['uptime_s']} s, epoch {info['epoch']:x}"
+    )
+    tab = Table("rank", "medium", "capacity", "used", "free", "evictions")
+    for w in info["capacity"]:
+        tab.add_row(
+            str(w["rank"]),
+            w["medium"],
+            f"{w['capacity']:,}",
+            f"{w['used']:,}",
+            f"{w['free']:,}",
+            str(w["evictions"]),
+        )
+    con.print(tab)
+    return 0

@@ -1,0 +1,93 @@
+"""The pool daemon's HTTP endpoint: ``/health``, ``/metrics``, ``/capacity``, ``/keys``.
+
+``/health`` answers 200 with JSON (ready, ranks, capacity, objects); ``/metrics`` is the
+Prometheus text format of ``kvfabric_pool_*``; ``/capacity`` lists each window's
+capacity, use and evictions; ``/keys?prefix=P&start=N&limit=M`` pages through readable
+keys. Served by a small threaded ``http.server`` on the configured host and port.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from kvfabric.pool import protocol as p
+from kvfabric.pool.dispatch import Dispatcher
+
+
+def _handler(dispatcher: Dispatcher) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt: str, *args: Any) -> None:  # quiet: the daemon logs
+            pass
+
+        def _send(self, code: int, body: bytes, ctype: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, obj: Any, code: int = 200) -> None:
+            self._send(code, json.dumps(obj, default=str).encode(), "application/json")
+
+        def do_GET(self) -> None:
+            url = urlparse(self.path)
+            if url.path == "/health":
+                info = dispatcher.handle(p.Info()).data
+                self._json(
+                    {
+                        "ready": True,
+                        "epoch": info["epoch"],
+                        "objects": info["objects"],
+                        "ranks": sorted({w["rank"] for w in info["windows"]}),
+                        "capacity": info["capacity"],
+                    }
+                )
+            elif url.path == "/metrics":
+                with dispatcher.lock:
+                    dispatcher.metrics.update_state(dispatcher.service)
+                self._send(200, dispatcher.metrics.render(), "text/plain; version=0.0.4")
+            elif url.path == "/capacity":
+                self._json(dispatcher.handle(p.Info()).data["capacity"])
+            elif url.path == "/keys":
+                q = parse_qs(url.query)
+                try:
+                    start = int(q.get("start", ["0"])[0])
+                    limit = int(q.get("limit", ["1000"])[0])
+                except ValueError:
+                    self._json({"error": "start and limit must be integers"}, 400)
+                    return
+                prefix = q.get("prefix", [""])[0].encode()
+                self._json(dispatcher.handle(p.ListKeys(prefix, start, limit)).data)
+            else:
+                self._json(
+                    {
+                        "error": f"no such endpoint {url.path}",
+                        "endpoints": ["/health", "/metrics", "/capacity", "/keys"],
+                    },
+                    404,
+                )
+
+    return Handler
+
+
+class HttpEndpoint:
+    """The HTTP server thread (``port`` 0 picks a free port; ``self.port`` tells which)."""
+
+    def __init__(self, dispatcher: Dispatcher, host: str, port: int) -> None:
+        self.server = ThreadingHTTPServer((host, port), _handler(dispatcher))
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="kvfabric-pool-http", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

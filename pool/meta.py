@@ -1,0 +1,403 @@
+"""``MetaService``: the pool's authoritative state (directory, space, leases, eviction).
+
+The service never touches object bytes: it hands out space (GVAs) and tracks states;
+clients copy. It is single-threaded by contract: the RPC server loop (or, embedded, one
+lock) serialises every call. The directory lives in the shared-memory table
+(``table.py``), which clients on the node read without RPC.
+
+Per call: ``alloc`` puts keys in ALLOCATED with a write lease; ``commit`` turns them
+READABLE (or frees them on failure); ``lookup`` hands out read leases (for readers that
+cannot use the shared table); ``release`` ends them and says whether the object stayed
+intact; ``remove``/``remove_all``/``drop_rank`` make objects disappear at once (space
+under a read lease is freed when the last lease ends); ``reregister`` rebuilds the
+directory from ranks that own data after a restart; ``tick`` expires leases and TTLs.
+Eviction is LRU by bytes per window, from ``high_watermark`` down to ``low_watermark``,
+and never touches objects under a lease or not yet READABLE.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvfabric.errors import OutOfSpace
+from kvfabric.platform.types import Medium
+from kvfabric.pool.allocator import ExtentAllocator
+from kvfabric.pool.config import PoolConfig
+from kvfabric.pool.status import Status
+from kvfabric.pool.table import SlotState, TableView, now_ticks, ticks_passed
+from kvfabric.pool.table_writer import TableWriter
+from kvfabric.pool.windows import Addressing
+
+
+@dataclass
+class Window:
+    """One rank's contribution of one medium."""
+
+    rank: int
+    medium: Medium
+    size: int
+    alloc: ExtentAllocator
+    lo: int  # gva of offset 0
+    evictions: int = 0
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.size
+
+
+@dataclass
+class WriteLease:
+    client: str
+    gva: int
+    size: int
+    gen: int
+    expires: float
+
+
+@dataclass
+class ReadLease:
+    key: bytes
+    gva: int
+    gen: int
+    expires: float
+
+
+@dataclass
+class Counters:
+    ops: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    evicted_objects: int = 0
+    evicted_bytes: int = 0
+    expired_leases: int = 0
+
+    def count(self, op: str, n: int = 1, failed: int = 0) -> None:
+        self.ops[op] = self.ops.get(op, 0) + n
+        if failed:
+            self.failures[op] = self.failures.get(op, 0) + failed
+
+
+class MetaService:
+    """See module docstring. ``clock`` is injectable for tests (seconds, monotonic)."""
+
+    def __init__(
+        self, config: PoolConfig, table: TableView, addressing: Addressing, clock: object = time.monotonic
+    ) -> None:
+        self.config = config
+        self.table = TableWriter(table)
+        self.addr = addressing
+        self.clock = clock
+        self.windows: dict[tuple[int, Medium], Window] = {}
+        self.write_leases: dict[bytes, WriteLease] = {}
+        self.read_leases: dict[int, ReadLease] = {}
+        self._leased: dict[int, int] = {}  # gva -> read lease count
+        self._deferred: dict[int, tuple[Window, int, int]] = {}  # gva -> (window, off, size)
+        self._gen = itertools.count(1)
+        self._lease_ids = itertools.count(1)
+        self.counters = Counters()
+
+    # ------------------------------------------------------------------ windows
+    def add_window(self, rank: int, medium: Medium, size: int) -> Window:
+        if (rank, medium) in self.windows:
+            raise ValueError(f"rank {rank} already contributes a {medium.value} window")
+        win = Window(
+            rank, medium, size, ExtentAllocator(size, self.config.align), self.addr.encode(medium, rank, 0)
+        )
+        self.windows[(rank, medium)] = win
+        return win
+
+    def drop_rank(self, rank: int) -> int:
+        """A rank left: its windows and every object in them disappear now."""
+        gone = [w for (r, _), w in self.windows.items() if r == rank]
+        removed = 0
+        for w in gone:
+            slots = self._slots_in(w)
+            for key in [self.table.view.key_of(int(s)) for s in slots]:
+                hit = self.table.find(key)
+                if hit is not None:
+                    self.table.remove(hit.slot)
+                    self.write_leases.pop(key, None)
+                    removed += 1
+            for lid in [i for i, lease in self.read_leases.items() if w.lo <= lease.gva < w.hi]:
+                self._end_read_lease(lid)
+            del self.windows[(w.rank, w.medium)]
+        return removed
+
+    def _window_of(self, gva: int) -> Window:
+        medium, rank, _ = self.addr.decode(gva)
+        return self.windows[(rank, medium)]
+
+    def _slots_in(self, w: Window) -> np.ndarray:
+        s = self.table.slots
+        return np.flatnonzero((s["hash"] != 0) & (s["gva"] >= w.lo) & (s["gva"] < w.hi))
+
+    # ------------------------------------------------------------------ writes
+    def alloc(
+        self,
+        client: str,
+        keys: list[bytes],
+        sizes: list[int],
+        home_rank: int | None = None,
+        preferred_rank: int | None = None,
+        medium: Medium | None = None,
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Space for each key: ``(status, gva, generation)`` lists."""
+        now = self.clock()
+        st, gvas, gens = [], [], []
+        for key, size in zip(keys, sizes):
+            s, g, n = self._alloc_one(client, key, size, home_rank, preferred_rank, medium, now)
+            st.append(s)
+            gvas.append(g)
+            gens.append(n)
+        self.counters.count("alloc", len(keys), sum(1 for s in st if s not in (Status.OK, Status.EXISTS)))
+        return st, gvas, gens
+
+    def _candidates(self, home: int | None, preferred: int | None, medium: Medium | None) -> list[Window]:
+        wins = [w for w in self.windows.values() if medium is None or w.medium is medium]
+        wins.sort(key=lambda w: (w.rank != preferred, w.rank != home, -w.alloc.free_bytes))
+        return wins
+
+    def _alloc_one(
+        self,
+        client: str,
+        key: bytes,
+        size: int,
+        home: int | None,
+        preferred: int | None,
+        medium: Medium | None,
+        now: float,
+    ) -> tuple[int, int, int]:
+        if size <= 0:
+            return Status.INVALID, 0, 0
+        if self.table.find(key) is not None:
+            return Status.EXISTS, 0, 0
+        wins = [
+            w for w in self._candidates(home, preferred, medium) if w.alloc.round(size) <= w.alloc.capacity
+        ]
+        placed = next(((w, off) for w in wins if (off := w.alloc.alloc(size)) is not None), None)
+        if placed is None:  # nothing free anywhere: evict, in placement order
+            placed = next(
+                (
+                    (w, off)
+                    for w in wins
+                    if self._evict(w, need=size) and (off := w.alloc.alloc(size)) is not None
+                ),
+                None,
+            )
+        for w, off in [placed] if placed is not None else []:
+            gen = next(self._gen)
+            gva = w.lo + off
+            try:
+                self.table.insert(key, gva, size, gen, SlotState.ALLOCATED)
+            except OutOfSpace:
+                w.alloc.free(off, size)
+                return Status.NO_SPACE, 0, 0
+            self.write_leases[key] = WriteLease(client, gva, size, gen, now + self.config.write_lease_s)
+            self._watermark(w)
+            return Status.OK, gva, gen
+        return Status.NO_SPACE, 0, 0
+
+    def commit(self, client: str, keys: list[bytes], ok: list[bool], ttl_s: float | None = None) -> list[int]:
+        """Publish (``ok``) or abandon each allocated key of ``client``."""
+        ttl = self.config.default_ttl_s if ttl_s is None else ttl_s
+        expire = (now_ticks() + int(ttl * 10)) & 0xFFFFFFFF if ttl > 0 else 0
+        out = []
+        for key, good in zip(keys, ok):
+            lease = self.write_leases.get(key)
+            if lease is None or lease.client != client:
+                out.append(Status.LEASE_EXPIRED)
+                continue
+            del self.write_leases[key]
+            hit = self.table.find(key)
+            if hit is None or hit.gen != lease.gen:
+                out.append(Status.LEASE_EXPIRED)
+                continue
+            if good:
+                self.table.update(hit.slot, state=int(SlotState.READABLE), atime=now_ticks(), expire=expire)
+                out.append(Status.OK)
+            else:
+                self._free_object(hit.slot, key, hit.gva, hit.size)
+                out.append(Status.OK)
+        self.counters.count("commit", len(keys), sum(1 for s in out if s != Status.OK))
+        return out
+
+    # ------------------------------------------------------------------ reads
+    def lookup(
+        self, keys: list[bytes], lease: bool = True
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """``(status, gva, size, gen, lease_id)`` per key; lease_id 0 without a lease."""
+        now = self.clock()
+        st, gvas, sizes, gens, lids = [], [], [], [], []
+        for key in keys:
+            hit = self._readable(key)
+            if hit is None:
+                st.append(Status.NOT_FOUND)
+                gvas.append(0), sizes.append(0), gens.append(0), lids.append(0)
+                continue
+            lid = 0
+            if lease:
+                lid = next(self._lease_ids)
+                self.read_leases[lid] = ReadLease(key, hit.gva, hit.gen, now + self.config.read_lease_s)
+                self._leased[hit.gva] = self._leased.get(hit.gva, 0) + 1
+            self.table.update(hit.slot, atime=now_ticks())
+            st.append(Status.OK)
+            gvas.append(hit.gva), sizes.append(hit.size), gens.append(hit.gen), lids.append(lid)
+        self.counters.count("lookup", len(keys), st.count(Status.NOT_FOUND))
+        return st, gvas, sizes, gens, lids
+
+    def release(self, lease_ids: list[int]) -> list[int]:
+        """End read leases: OK if the object stayed intact for the whole lease."""
+        now = self.clock()
+        out = []
+        for lid in lease_ids:
+            lease = self.read_leases.get(lid)
+            if lease is None:
+                out.append(Status.LEASE_EXPIRED)
+                continue
+            expired = lease.expires < now
+            self._end_read_lease(lid)
+            out.append(Status.LEASE_EXPIRED if expired else Status.OK)
+        return out
+
+    def _end_read_lease(self, lid: int) -> None:
+        lease = self.read_leases.pop(lid)
+        left = self._leased.get(lease.gva, 0) - 1
+        if left > 0:
+            self._leased[lease.gva] = left
+            return
+        self._leased.pop(lease.gva, None)
+        deferred = self._deferred.pop(lease.gva, None)
+        if deferred is not None:
+            w, off, size = deferred
+            w.alloc.free(off, size)
+
+    def _readable(self, key: bytes):  # noqa: ANN202 - Hit | None
+        hit = self.table.find(key)
+        if hit is None or hit.state != SlotState.READABLE:
+            return None
+        if hit.expire and ticks_passed(hit.expire):
+            self._free_object(hit.slot, key, hit.gva, hit.size)
+            return None
+        return hit
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        self.counters.count("exists", len(keys))
+        return [self._readable(k) is not None for k in keys]
+
+    # ------------------------------------------------------------------ removal
+    def remove(self, keys: list[bytes]) -> list[int]:
+        out = []
+        for key in keys:
+            hit = self.table.find(key)
+            if hit is None:
+                out.append(Status.NOT_FOUND)
+                continue
+            self.write_leases.pop(key, None)
+            self._free_object(hit.slot, key, hit.gva, hit.size)
+            out.append(Status.OK)
+        self.counters.count("remove", len(keys), out.count(Status.NOT_FOUND))
+        return out
+
+    def remove_all(self) -> int:
+        live = np.flatnonzero(self.table.slots["hash"] != 0)
+        keys = [self.table.view.key_of(int(s)) for s in live]
+        return self.remove(keys).count(Status.OK)
+
+    def _free_object(self, slot: int, key: bytes, gva: int, size: int) -> None:
+        """Take ``key`` out of the directory now; free its space unless a read lease holds it."""
+        self.table.remove(slot)
+        try:
+            w = self._window_of(gva)
+        except KeyError:
+            return  # its rank already left
+        if self._leased.get(gva):
+            self._deferred[gva] = (w, gva - w.lo, size)
+        else:
+            w.alloc.free(gva - w.lo, size)
+
+    # ------------------------------------------------------------------ eviction
+    def _evict(self, w: Window, need: int) -> bool:
+        """Evict LRU objects of ``w`` until ``need`` bytes fit or nothing is evictable."""
+        s = self.table.slots
+        idx = self._slots_in(w)
+        idx = idx[s["state"][idx] == SlotState.READABLE]
+        if self._leased:
+            leased = np.fromiter(self._leased, np.uint64, len(self._leased))
+            idx = idx[~np.isin(s["gva"][idx], leased)]
+        order = idx[np.argsort(s["atime"][idx], kind="stable")]
+        target = int(w.size * self.config.low_watermark)
+        for slot_i in order.tolist():
+            if w.alloc.largest_free >= w.alloc.round(need) and w.alloc.used <= target:
+                break
+            key = self.table.view.key_of(slot_i)
+            hit = self.table.find(key)
+            if hit is None:
+                continue
+            self._free_object(hit.slot, key, hit.gva, hit.size)
+            w.evictions += 1
+            self.counters.evicted_objects += 1
+            self.counters.evicted_bytes += hit.size
+        return w.alloc.largest_free >= w.alloc.round(need)
+
+    def _watermark(self, w: Window) -> None:
+        if w.alloc.used > w.size * self.config.high_watermark:
+            self._evict(w, need=1)
+
+    # ------------------------------------------------------------------ housekeeping
+    def tick(self) -> None:
+        """Expire write leases (space reclaimed), read leases and TTLs."""
+        now = self.clock()
+        for key in [k for k, lease in self.write_leases.items() if lease.expires < now]:
+            lease = self.write_leases.pop(key)
+            hit = self.table.find(key)
+            if hit is not None and hit.gen == lease.gen and hit.state == SlotState.ALLOCATED:
+                self._free_object(hit.slot, key, hit.gva, hit.size)
+            self.counters.expired_leases += 1
+        for lid in [i for i, lease in self.read_leases.items() if lease.expires < now]:
+            self._end_read_lease(lid)
+            self.counters.expired_leases += 1
+        s = self.table.slots
+        exp = np.flatnonzero((s["hash"] != 0) & (s["expire"] != 0))
+        for slot_i in exp.tolist():
+            if ticks_passed(int(s["expire"][slot_i])):
+                key = self.table.view.key_of(slot_i)
+                hit = self.table.find(key)
+                if hit is not None:
+                    self._free_object(hit.slot, key, hit.gva, hit.size)
+
+    def reregister(self, keys: list[bytes], gvas: list[int], sizes: list[int], gens: list[int]) -> list[int]:
+        """Rebuild: a rank that owns data reports objects it holds (READABLE ones only)."""
+        out = []
+        for key, gva, size, gen in zip(keys, gvas, sizes, gens):
+            try:
+                w = self._window_of(gva)
+                if self.table.find(key) is not None:
+                    out.append(Status.EXISTS)
+                    continue
+                w.alloc.reserve(gva - w.lo, size)
+            except (KeyError, ValueError):
+                out.append(Status.INVALID)
+                continue
+            self.table.insert(key, gva, size, gen, SlotState.READABLE)
+            self._gen = itertools.count(max(next(self._gen), gen + 1))
+            out.append(Status.OK)
+        return out
+
+    def capacity(self) -> list[dict[str, int | str]]:
+        return [
+            {
+                "rank": w.rank,
+                "medium": w.medium.value,
+                "capacity": w.alloc.capacity,
+                "used": w.alloc.used,
+                "free": w.alloc.free_bytes,
+                "evictions": w.evictions,
+            }
+            for w in sorted(self.windows.values(), key=lambda w: (w.rank, w.medium.value))
+        ]
+
+
+__all__ = ["MetaService", "Status", "Window"]

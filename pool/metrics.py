@@ -1,0 +1,66 @@
+"""Prometheus metrics of one meta service (``kvfabric_pool_*``), on its own registry."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvfabric.pool.status import Status
+
+if TYPE_CHECKING:
+    from kvfabric.pool.meta import MetaService
+
+
+class PoolMetrics:
+    """Requests, failures, latency per operation; objects, bytes, evictions per window."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvfabric_pool_requests", "RPC requests by operation", ["op"], registry=r)
+        self.keys = Counter("kvfabric_pool_keys", "keys named by requests, by operation", ["op"], registry=r)
+        self.failures = Counter(
+            "kvfabric_pool_key_failures",
+            "keys whose status was not OK, by operation and status",
+            ["op", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "kvfabric_pool_request_errors", "requests refused as a whole", ["op"], registry=r
+        )
+        self.latency = Histogram(
+            "kvfabric_pool_request_seconds",
+            "service time per request",
+            ["op"],
+            buckets=(5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2, 0.1, 1.0),
+            registry=r,
+        )
+        self.objects = Gauge("kvfabric_pool_objects", "objects in the directory", registry=r)
+        self.used = Gauge("kvfabric_pool_used_bytes", "allocated bytes", ["rank", "medium"], registry=r)
+        self.capacity = Gauge("kvfabric_pool_capacity_bytes", "window bytes", ["rank", "medium"], registry=r)
+        self.evictions = Gauge("kvfabric_pool_evicted_objects", "objects evicted so far", registry=r)
+        self.evicted_bytes = Gauge("kvfabric_pool_evicted_bytes", "bytes evicted so far", registry=r)
+
+    def observe(self, op: str, seconds: float, reply: Any) -> None:
+        self.requests.labels(op).inc()
+        self.latency.labels(op).observe(seconds)
+        if reply.error:
+            self.errors.labels(op).inc()
+        n = max(len(reply.status), len(reply.flags))
+        if n:
+            self.keys.labels(op).inc(n)
+        for code in reply.status:
+            if code not in (Status.OK, Status.EXISTS):
+                self.failures.labels(op, Status(code).name).inc()
+
+    def update_state(self, service: MetaService) -> None:
+        self.objects.set(service.table.count)
+        for row in service.capacity():
+            labels = (str(row["rank"]), str(row["medium"]))
+            self.used.labels(*labels).set(row["used"])
+            self.capacity.labels(*labels).set(row["capacity"])
+        self.evictions.set(service.counters.evicted_objects)
+        self.evicted_bytes.set(service.counters.evicted_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

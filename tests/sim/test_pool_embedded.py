@@ -1,0 +1,193 @@
+"""The pool's client API on an embedded pool (service and client in this process)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pool_testing import content
+
+from kvfabric.errors import KeyNotFound, LeaseExpired, OutOfSpace
+from kvfabric.pool import reads
+from kvfabric.pool.config import PoolConfig
+from kvfabric.pool.node import EmbeddedPool
+from kvfabric.pool.status import Status
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture
+def pool():
+    p = EmbeddedPool(PoolConfig(dram=16 * MiB, max_objects=2048, read_lease_s=0.3, pretouch=False))
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def client(pool):
+    c = pool.client()
+    yield c
+    c.close()
+
+
+def host(client, nbytes: int, fill: int | None = None) -> np.ndarray:
+    arr = np.zeros(nbytes, np.uint8) if fill is None else np.full(nbytes, fill, np.uint8)
+    client.platform.wrap(arr)
+    return arr
+
+
+def test_bytes_api(client):
+    assert client.put("a", b"hello") is Status.OK
+    assert client.put("a", b"other") is Status.EXISTS
+    assert client.get("a") == b"hello" and client.exists("a") and not client.exists("b")
+    with pytest.raises(KeyNotFound):
+        client.get("b")
+    st = client.batch_put(["x", "y", "a"], [b"1", b"22", b"333"])
+    assert st.tolist() == [Status.OK, Status.OK, Status.EXISTS]
+    assert client.batch_get(["x", "nope", "y"]) == [b"1", None, b"22"]
+    assert client.batch_exists(["x", "nope"]).tolist() == [True, False]
+    assert client.batch_remove(["x", "nope"]).tolist() == [Status.OK, Status.NOT_FOUND]
+    assert client.remove("y") and not client.remove("y")
+    with pytest.raises(ValueError, match="empty"):
+        client.put("e", b"")
+    with pytest.raises(ValueError, match="longer than 256"):
+        client.put("k" * 300, b"x")
+
+
+def test_zero_copy_and_layers(client):
+    data = np.frombuffer(content("obj", 300 * KiB), np.uint8).copy()
+    client.platform.wrap(data)
+    out = host(client, 300 * KiB)
+    assert client.put_from("obj", data.ctypes.data, data.nbytes) is Status.OK
+    assert client.get_into("obj", out.ctypes.data, out.nbytes) == data.nbytes
+    assert np.array_equal(out, data)
+    with pytest.raises(ValueError, match="holds 307200 B"):
+        client.get_into("obj", out.ctypes.data, 1000)
+    # one object gathered from 2 x 4 layer pieces, scattered back elsewhere
+    layers = [host(client, 16 * KiB, fill=i) for i in range(8)]
+    ptrs = [a.ctypes.data for a in layers]
+    assert client.put_from_layers("blk", ptrs, [16 * KiB] * 8) is Status.OK
+    back = [host(client, 16 * KiB) for _ in range(8)]
+    assert client.get_into_layers("blk", [a.ctypes.data for a in back], [16 * KiB] * 8) == 128 * KiB
+    assert all((b == i).all() for i, b in enumerate(back))
+    whole = host(client, 128 * KiB)
+    client.get_into("blk", whole.ctypes.data, whole.nbytes)
+    assert np.array_equal(whole.reshape(8, -1)[:, 0], np.arange(8))
+
+
+def test_batched_zero_copy(client):
+    n, size = 32, 64 * KiB
+    src = host(client, n * size)
+    for i in range(n):
+        src[i * size : (i + 1) * size] = np.frombuffer(content(f"b{i}", size), np.uint8)
+    keys = [f"b{i}" for i in range(n)]
+    ptrs = src.ctypes.data + np.arange(n) * size
+    assert (client.batch_put_from(keys, ptrs, [size] * n) == Status.OK).all()
+    dst = host(client, n * size)
+    dst_ptrs = [*(dst.ctypes.data + np.arange(n) * size).tolist(), dst.ctypes.data]
+    st = client.batch_get_into([*keys, "missing"], dst_ptrs, [size] * (n + 1))
+    assert st.tolist() == [Status.OK] * n + [Status.NOT_FOUND]
+    assert np.array_equal(src, dst)
+    # layer-wise batches: (k, m) pointers
+    P = (dst.ctypes.data + np.arange(n) * size)[:4, None] + np.array([0, size // 2])
+    st = client.batch_put_from_layers([f"L{i}" for i in range(4)], P, [size // 2, size // 2])
+    assert (st == Status.OK).all()
+    got = host(client, 4 * size)
+    P2 = (got.ctypes.data + np.arange(4) * size)[:, None] + np.array([0, size // 2])
+    assert (client.batch_get_into_layers([f"L{i}" for i in range(4)], P2, [size // 2] * 2) == 0).all()
+    assert np.array_equal(got, dst[: 4 * size])
+
+
+def test_layerwise_alloc_write_commit(client):
+    st, gvas = client.batch_alloc(["lw1", "lw2"], [8 * KiB, 8 * KiB])
+    assert (st == Status.OK).all()
+    assert not client.exists("lw1")  # not visible before commit
+    for layer in range(4):  # pieces arrive layer by layer
+        piece = host(client, 2 * KiB, fill=layer + 1)
+        client.write([int(g) + layer * 2 * KiB for g in gvas], [piece.ctypes.data] * 2, [2 * KiB] * 2)
+    assert client.batch_commit(["lw1", "lw2"], [True, False]).tolist() == [Status.OK, Status.OK]
+    assert client.exists("lw1") and not client.exists("lw2")
+    assert client.get("lw1") == b"".join(bytes([i + 1]) * 2 * KiB for i in range(4))
+
+
+def test_buffers_must_be_known_to_the_platform(client):
+    stray = np.zeros(4096, np.uint8)  # never registered nor wrapped
+    with pytest.raises(ValueError, match="not inside any live buffer"):
+        client.put_from("s", stray.ctypes.data, 4096)
+    reg = client.register_buffer(stray.ctypes.data, stray.nbytes)
+    assert client.put_from("s", stray.ctypes.data, 4096) is Status.OK
+    client.unregister_buffer(reg)
+
+
+def test_out_of_space(client):
+    big = host(client, 20 * MiB)
+    with pytest.raises(OutOfSpace):
+        client.put_from("huge", big.ctypes.data, big.nbytes)
+
+
+def test_metadata_only_client(pool, client):
+    client.put("m", b"v")
+    meta = pool.client(metadata_only=True)
+    assert meta.exists("m") and meta.batch_exists(["m", "n"]).tolist() == [True, False]
+    with pytest.raises(ValueError, match="metadata-only"):
+        meta.get("m")
+    meta.close()
+
+
+def test_fast_path_reader_never_returns_bytes_of_a_reused_extent(pool, client, monkeypatch):
+    """The object is removed and its space rewritten while a reader copies: the reader's
+    after-copy check discards the copy; it returns a miss or the new whole object."""
+    client.put("race", content("race", 64 * KiB))
+    other = pool.client()
+    real = reads.ctypes.memmove
+    fired = []
+
+    def racing_memmove(dst, src, n):
+        if not fired:
+            fired.append(1)
+            other.remove("race")
+            other.put("race", content("race2", 64 * KiB))  # reuses the freed extent
+            other.put("x", b"y" * 64 * KiB)
+        return real(dst, src, n)
+
+    monkeypatch.setattr(reads.ctypes, "memmove", racing_memmove)
+    out = host(client, 64 * KiB)
+    client.get_into("race", out.ctypes.data, out.nbytes)
+    assert fired and out.tobytes() == content("race2", 64 * KiB)
+    other.close()
+
+
+def test_slow_remote_reader_gets_lease_expired_not_wrong_bytes(pool, client, monkeypatch):
+    remote = pool.client(local_reads=False)  # reads through RPC read leases
+    client.put("slow", content("slow", 64 * KiB))
+    real = reads.Reader._copy_out
+
+    def slow_copy(self, *args):
+        import time
+
+        time.sleep(0.5)  # longer than read_lease_s = 0.3
+        return real(self, *args)
+
+    monkeypatch.setattr(reads.Reader, "_copy_out", slow_copy)
+    out = host(remote, 64 * KiB)
+    with pytest.raises(LeaseExpired):
+        remote.get_into("slow", out.ctypes.data, out.nbytes)
+    monkeypatch.setattr(reads.Reader, "_copy_out", real)
+    assert remote.get_into("slow", out.ctypes.data, out.nbytes) == 64 * KiB
+    assert out.tobytes() == content("slow", 64 * KiB)
+    remote.close()
+
+
+def test_eviction_spares_leased_objects(pool, client):
+    remote = pool.client(local_reads=False)
+    for i in range(14):
+        client.put(f"e{i}", content(f"e{i}", MiB))
+    r = remote.transport.call(__import__("kvfabric.pool.protocol", fromlist=["Lookup"]).Lookup([b"e0"]))
+    assert r.status == [Status.OK]  # e0 is under a read lease now
+    for i in range(14, 30):
+        client.put(f"e{i}", content(f"e{i}", MiB))
+    assert client.exists("e0")  # oldest, but leased: kept
+    assert not client.exists("e1")  # oldest unleased: evicted
+    assert client.get("e29") == content("e29", MiB)
+    cap = client.info()["capacity"][0]
+    assert cap["evictions"] > 0 and cap["used"] <= 16 * MiB
+    remote.close()

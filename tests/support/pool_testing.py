@@ -1,0 +1,70 @@
+"""Helpers for pool tests: a daemon subprocess and deterministic object contents."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def content(key: str, size: int) -> bytes:
+    """The bytes every test writer stores under ``key`` (so any reader can verify them)."""
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+class Daemon:
+    """``kvfabric pool serve`` in a subprocess; ``start()`` waits for its ready line."""
+
+    def __init__(self, tmp: Path, name: str = "t", dram: str = "64MiB", extra: dict | None = None) -> None:
+        self.tmp = Path(tmp)
+        self.socket = str(self.tmp / f"{name}.sock")
+        self.name = name
+        self.cfg = self.tmp / f"{name}.yaml"
+        settings = {
+            "name": name,
+            "dram": dram,
+            "socket": self.socket,
+            "max_objects": 8192,
+            "http": "127.0.0.1:0",
+            **(extra or {}),
+        }
+        self.cfg.write_text("".join(f"{k}: {v}\n" for k, v in settings.items()))
+        self.proc: subprocess.Popen | None = None
+        self.ready: dict = {}
+
+    def start(self, timeout: float = 60.0) -> Daemon:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfabric.cli", "pool", "serve", "--config", str(self.cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"pool daemon exited: {self.proc.stderr.read()}")
+            if line.startswith("{"):
+                self.ready = json.loads(line)
+                return self
+        raise TimeoutError("pool daemon did not become ready")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)

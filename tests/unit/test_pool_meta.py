@@ -1,0 +1,185 @@
+"""MetaService semantics: put-if-absent, states, leases, eviction, TTL, ranks, rebuild."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfabric.platform.types import Medium
+from kvfabric.pool import table as tbl
+from kvfabric.pool.config import PoolConfig
+from kvfabric.pool.meta import MetaService
+from kvfabric.pool.status import Status
+from kvfabric.pool.table import SlotState
+from kvfabric.pool.windows import FixedStride
+
+KiB = 1024
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def env():
+    clock = Clock()
+    view = tbl.create(256)
+    cfg = PoolConfig(dram=0, max_objects=256, write_lease_s=5, read_lease_s=2)
+    svc = MetaService(cfg, view, FixedStride(), clock=clock)
+    svc.add_window(0, Medium.DRAM, 100 * KiB)
+    yield svc, clock
+    view.close()
+    view.seg.unlink()
+
+
+def put(svc, key: bytes, size: int, client: str = "c") -> int:
+    st, gvas, _ = svc.alloc(client, [key], [size])
+    assert st == [Status.OK]
+    assert svc.commit(client, [key], [True]) == [Status.OK]
+    return gvas[0]
+
+
+def state(svc, key: bytes):
+    hit = svc.table.find(key)
+    return None if hit is None else hit.state
+
+
+def test_put_if_absent_and_states(env):
+    svc, _ = env
+    st, gvas, gens = svc.alloc("a", [b"k"], [1000])
+    assert st == [Status.OK] and gens[0] > 0
+    assert state(svc, b"k") is SlotState.ALLOCATED
+    assert svc.exists([b"k"]) == [False]  # nothing ALLOCATED is visible
+    assert svc.lookup([b"k"])[0] == [Status.NOT_FOUND]
+    assert svc.alloc("b", [b"k"], [1000])[0] == [Status.EXISTS]  # a concurrent saver
+    assert svc.commit("b", [b"k"], [True]) == [Status.LEASE_EXPIRED]  # not b's allocation
+    assert svc.commit("a", [b"k"], [True]) == [Status.OK]
+    assert svc.exists([b"k"]) == [True] and state(svc, b"k") is SlotState.READABLE
+    assert svc.alloc("b", [b"k"], [5])[0] == [Status.EXISTS]
+    hit = svc.table.find(b"k")
+    assert hit.gva == gvas[0] and hit.size == 1000  # untouched
+
+
+def test_failed_write_frees_the_space(env):
+    svc, _ = env
+    svc.alloc("a", [b"k"], [50 * KiB])
+    w = svc.windows[(0, Medium.DRAM)]
+    assert w.alloc.used == 50 * KiB
+    assert svc.commit("a", [b"k"], [False]) == [Status.OK]
+    assert w.alloc.used == 0 and state(svc, b"k") is None
+
+
+def test_write_lease_expiry_reclaims_space(env):
+    svc, clock = env
+    svc.alloc("dead-client", [b"k"], [10 * KiB])
+    clock.t += 6
+    svc.tick()
+    assert state(svc, b"k") is None and svc.windows[(0, Medium.DRAM)].alloc.used == 0
+    assert svc.commit("dead-client", [b"k"], [True]) == [Status.LEASE_EXPIRED]
+
+
+def test_read_leases_block_eviction_and_defer_frees(env):
+    svc, _clock = env
+    gva = put(svc, b"leased", 30 * KiB)
+    st, gvas, sizes, _gens, lids = svc.lookup([b"leased"])
+    assert st == [Status.OK] and gvas == [gva] and sizes == [30 * KiB] and lids[0] > 0
+    for i in range(10):  # fill: LRU eviction must skip the leased object
+        put(svc, f"filler{i}".encode(), 20 * KiB)
+    assert state(svc, b"leased") is SlotState.READABLE
+    assert svc.remove([b"leased"]) == [Status.OK]
+    assert svc.exists([b"leased"]) == [False]  # gone from the directory at once...
+    w = svc.windows[(0, Medium.DRAM)]
+    used = w.alloc.used
+    assert svc.release(lids) == [Status.OK]  # ...its space freed when the lease ends
+    assert w.alloc.used == used - 30 * KiB
+
+
+def test_expired_read_lease_reports_it(env):
+    svc, clock = env
+    put(svc, b"k", KiB)
+    lid = svc.lookup([b"k"])[4]
+    clock.t += 3
+    assert svc.release(lid) == [Status.LEASE_EXPIRED]
+    assert svc.release(lid) == [Status.LEASE_EXPIRED]  # unknown lease
+
+
+def test_lru_eviction_by_bytes_between_watermarks(env):
+    svc, _ = env
+    w = svc.windows[(0, Medium.DRAM)]
+    for i in range(9):
+        put(svc, f"o{i}".encode(), 10 * KiB)
+        svc.table.update(svc.table.find(f"o{i}".encode()).slot, atime=100 + i)  # o0 is the oldest
+    svc.table.update(svc.table.find(b"o0").slot, atime=500)  # a reader touched o0 last
+    put(svc, b"big", 25 * KiB)  # needs eviction: 90 KiB used of 100
+    gone = [i for i in range(9) if state(svc, f"o{i}".encode()) is None]
+    assert gone[:2] == [1, 2] and 0 not in gone
+    assert w.alloc.used <= 0.8 * w.size + 25 * KiB
+    assert w.evictions == len(gone) and svc.counters.evicted_bytes == 10 * KiB * len(gone)
+
+
+def test_no_space_when_nothing_can_go(env):
+    svc, _ = env
+    put(svc, b"k", 60 * KiB)
+    svc.lookup([b"k"])  # leased
+    st, _, _ = svc.alloc("c", [b"huge"], [70 * KiB])
+    assert st == [Status.NO_SPACE]
+    assert svc.alloc("c", [b"bad"], [0])[0] == [Status.INVALID]
+
+
+def test_ttl(env):
+    svc, _ = env
+    svc.alloc("c", [b"k"], [KiB])
+    svc.commit("c", [b"k"], [True], ttl_s=0.0001)
+    import time
+
+    time.sleep(0.25)  # TTLs count in ticks of 0.1 s of the node's monotonic clock
+    assert svc.exists([b"k"]) == [False]
+
+
+def test_placement_prefers_home_then_preferred(env):
+    svc, _ = env
+    svc.add_window(3, Medium.DRAM, 100 * KiB)
+    stride = svc.addr.stride
+    _, g, _ = svc.alloc("c", [b"a"], [KiB], home_rank=3)
+    assert svc.addr.decode(g[0])[1] == 3
+    _, g, _ = svc.alloc("c", [b"b"], [KiB], home_rank=3, preferred_rank=0)
+    assert svc.addr.decode(g[0])[1] == 0
+    assert stride == 1 << 40
+
+
+def test_rank_leaving_removes_its_objects_now(env):
+    svc, _ = env
+    svc.add_window(1, Medium.DRAM, 100 * KiB)
+    put(svc, b"on1", KiB, client="x")
+    svc.alloc("x", [b"elsewhere"], [KiB], preferred_rank=0)
+    _st, g, _ = svc.alloc("x", [b"on1b"], [KiB], preferred_rank=1)
+    assert svc.addr.decode(g[0])[1] == 1
+    before = svc.table.count
+    removed = svc.drop_rank(1)
+    assert removed >= 1 and svc.table.count == before - removed
+    assert (1, Medium.DRAM) not in svc.windows
+    assert svc.exists([b"on1b"]) == [False]
+
+
+def test_reregister_rebuilds(env):
+    svc, _ = env
+    gva = svc.addr.encode(Medium.DRAM, 0, 4096)
+    assert svc.reregister([b"r"], [gva], [1000], [77]) == [Status.OK]
+    assert svc.exists([b"r"]) == [True]
+    assert svc.reregister([b"r"], [gva], [1000], [77]) == [Status.EXISTS]
+    bad = svc.addr.encode(Medium.DRAM, 9, 0)
+    assert svc.reregister([b"x"], [bad], [10], [1]) == [Status.INVALID]
+    _, g, gens = svc.alloc("c", [b"new"], [KiB])
+    assert gens[0] > 77 and g[0] != gva
+
+
+def test_remove_all_and_capacity(env):
+    svc, _ = env
+    for i in range(5):
+        put(svc, f"k{i}".encode(), KiB)
+    assert svc.remove_all() == 5 and svc.table.count == 0
+    (row,) = svc.capacity()
+    assert row["used"] == 0 and row["capacity"] == 100 * KiB
