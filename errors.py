@@ -38,10 +38,6 @@ class LeaseExpired(KVFabricError):
     """A lease ran out before the operation that held it finished."""
 
 
-class RankUnavailable(TransferFailed):
-    """A copy names a pool rank whose window is not (or no longer) mapped here."""
-
-
 class HandleError(PlatformError):
     """An IPC handle could not be decoded, or refers to memory that is gone."""
 
