@@ -11,18 +11,21 @@ import time
 
 import numpy as np
 import pytest
+from platforms import build
 from stores import (
     LAYOUT,
     PERSISTENT,
     Blocks,
     block_bytes,
+    blocked_event,
     build_store,
     child_dump_forever,
+    clear_faults,
+    fail_copies,
     lowest,
     random_ids,
 )
 
-from kvfabric.platform.sim import SimPlatform
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 
@@ -32,8 +35,8 @@ N = 16
 
 
 @pytest.fixture
-def plat():
-    p = SimPlatform()
+def plat(spec):
+    p = build(spec)
     yield p
     p.close()
 
@@ -197,10 +200,11 @@ def test_concurrent_loads_of_the_same_ids(store, plat):
 
 
 # ---------------------------------------------------------------------------- a writer killed
-def _spawn_writer(spec, root, stall, seed):
+def _spawn_writer(spec, root, stall, seed, platform):
     ctx = mp.get_context("spawn")
     env = {k: v for k, v in os.environ.items() if k.startswith("KVFABRIC_")}
-    proc = ctx.Process(target=child_dump_forever, args=(spec, str(root), env, seed, 8, stall), daemon=True)
+    args = (spec, str(root), env, seed, 8, stall, platform)
+    proc = ctx.Process(target=child_dump_forever, args=args, daemon=True)
     proc.start()
     return proc
 
@@ -225,11 +229,11 @@ def _verify_visible(store, plat, ids):
     return int(mask.sum())
 
 
-def test_writer_killed_mid_dump_leaves_no_torn_block(store_spec, tmp_path, plat):
+def test_writer_killed_mid_dump_leaves_no_torn_block(store_spec, tmp_path, plat, spec):
     if lowest(store_spec) not in PERSISTENT:
         pytest.skip(f"{store_spec!r} keeps blocks in the writer's own memory: they die with it")
     # deterministic: the writer stalls in the middle of a block file, then is killed
-    proc = _spawn_writer(store_spec, tmp_path, stall=True, seed=100)
+    proc = _spawn_writer(store_spec, tmp_path, stall=True, seed=100, platform=spec)
     try:
         _wait_for(tmp_path / "stalled", proc)
     finally:
@@ -241,7 +245,7 @@ def test_writer_killed_mid_dump_leaves_no_torn_block(store_spec, tmp_path, plat)
         # and killed at arbitrary moments, round after round
         for k in range(3):
             (tmp_path / "progress").unlink(missing_ok=True)
-            proc = _spawn_writer(store_spec, tmp_path, stall=False, seed=1000 * (k + 1))
+            proc = _spawn_writer(store_spec, tmp_path, stall=False, seed=1000 * (k + 1), platform=spec)
             try:
                 _wait_for(tmp_path / "progress", proc)
                 time.sleep(0.01 + 0.03 * k)
@@ -256,20 +260,11 @@ def test_writer_killed_mid_dump_leaves_no_torn_block(store_spec, tmp_path, plat)
 
 
 # ---------------------------------------------------------------------------- cancel, timeout
-def _blocked_event(plat, seconds):
-    """An event that completes only after ``seconds`` of stall on a sim stream."""
-    s = plat.stream()
-    plat.stall(s, seconds)
-    ev = plat.event()
-    ev.record(s)
-    return s, ev
-
-
 def test_cancelled_dump_leaves_nothing_visible(store, plat):
     ids = random_ids(N, 8)
     src = Blocks(plat, LAYOUT, N)
     src.write(block_bytes(ids, LAYOUT.shard_bytes))
-    s, ev = _blocked_event(plat, 0.5)
+    s, ev = blocked_event(plat, 0.5)
     t = store.dump(ids, 0, src.addrs, after=ev)
     assert not store.check(t)
     store.cancel(t)
@@ -299,7 +294,7 @@ def test_dump_timeout_cancels_cleanly(store, plat):
     ids = random_ids(N, 10)
     src = Blocks(plat, LAYOUT, N)
     src.write(block_bytes(ids, LAYOUT.shard_bytes))
-    s, ev = _blocked_event(plat, 0.6)
+    s, ev = blocked_event(plat, 0.6)
     t = store.dump(ids, 0, src.addrs, after=ev)
     assert (store.wait(t, timeout=0.1) == TIMEOUT).all()
     s.synchronize()
@@ -327,15 +322,15 @@ def test_failed_copies_are_per_block_failures(store, plat):
     ids = random_ids(8, 12)
     src, dst = Blocks(plat, LAYOUT, 8), Blocks(plat, LAYOUT, 8)
     src.write(block_bytes(ids, LAYOUT.shard_bytes))
-    plat.faults.fail_copy(nth=1, count=1000)
+    fail_copies(plat)
     st = dump_all(store, ids, src)
-    plat.faults.clear()
+    clear_faults(plat)
     assert (st == FAILED).all()
     assert not store.lookup(ids).any()
     assert (dump_all(store, ids, src) == OK).all()
-    plat.faults.fail_copy(nth=1, count=1000)
+    fail_copies(plat)
     st = load_all(store, ids, dst)
-    plat.faults.clear()
+    clear_faults(plat)
     assert (st == FAILED).all()
 
 
@@ -365,7 +360,7 @@ def test_bad_arguments_are_clear_errors(store, plat):
         store.load(ids, "0", b.addrs)
     with pytest.raises(TypeError, match="after must be None or an Event"):
         store.dump(ids, 0, b.addrs, after=object())
-    other = SimPlatform()
+    other = build("sim")
     try:
         with pytest.raises(TypeError, match="after must be None or an Event"):
             store.dump(ids, 0, b.addrs, after=other.event())
@@ -390,3 +385,26 @@ def test_closed_store_refuses_calls(store_spec, tmp_path, plat):
         s.lookup(ids)
     with pytest.raises(ValueError, match="closed"):
         s.load(ids, 0, np.zeros((2, LAYOUT.pieces), np.uint64))
+
+
+def test_close_finishes_or_cancels_outstanding_tasks(store_spec, tmp_path, plat, monkeypatch):
+    from kvfabric.ucm_layer.store import common
+
+    monkeypatch.setattr(common, "CLOSE_GRACE_S", 0.2)
+    s = build_store(store_spec, tmp_path, plat)
+    ids = random_ids(N, 15)
+    src = Blocks(plat, LAYOUT, N)
+    src.write(block_bytes(ids, LAYOUT.shard_bytes))
+    done = s.dump(ids[:4], 0, src.addrs[:4])  # runs to completion
+    stream, ev = blocked_event(plat, 1.0)
+    stuck = s.dump(ids[4:], 0, src.addrs[4:], after=ev)  # waits on an event that is late
+    s.close()
+    assert (s.wait(done) == OK).all()
+    assert (s.wait(stuck) == CANCELLED).all()
+    stream.synchronize()
+    if lowest(store_spec) in PERSISTENT:
+        again = build_store(store_spec, tmp_path, plat)
+        try:
+            assert again.lookup(ids).tolist() == [True] * 4 + [False] * (N - 4)
+        finally:
+            again.close()

@@ -307,6 +307,7 @@ class Pipeline(TaskStore):
             return
         self._closed = True
         try:
+            self._settle()
             self.workers.close()
         finally:
             try:

@@ -364,5 +364,6 @@ class PosixStore(TaskStore):
         if self._closed:
             return
         self._closed = True
+        self._settle()
         self.workers.close()
         self.gc.close()
