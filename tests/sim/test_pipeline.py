@@ -169,3 +169,21 @@ def test_prefetch_fills_the_cache(tmp_path, plat):
     p.prefetch(missing)
     assert (load(p, plat, missing) == MISSING).all()
     p.close()
+
+
+def test_a_load_waiting_on_blocks_written_behind_cannot_starve_them(tmp_path, plat):
+    """One pipeline worker, busy with a load that waits for slots still being written
+    behind: the writes settle on the lower store's threads, so the load completes."""
+    p = build_store("cache|posix", tmp_path, plat, **{"pipeline.write": "behind", "pipeline.workers": 1})
+    stall = StallingIO(str(tmp_path / "stalled"))
+    p.lower.io = stall
+    ids = random_ids(4, 11)
+    assert (dump(p, plat, ids) == OK).all()
+    b = Blocks(plat, LAYOUT, 4)
+    t = p.load(ids, 0, b.addrs)
+    wait_until(lambda: (tmp_path / "stalled").exists(), "the lower write never started")
+    assert not p.check(t)
+    stall.release.set()
+    assert (p.wait(t, timeout=30) == OK).all()
+    assert np.array_equal(b.read(), block_bytes(ids, LAYOUT.shard_bytes))
+    p.close()
