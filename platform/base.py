@@ -202,12 +202,13 @@ class Platform(BackendPrimitives):
         return Span(buf, off, int(nbytes))
 
     def media_of(self, ptrs: np.ndarray, nbytes: np.ndarray, what: str = "range") -> np.ndarray:
-        """Medium codes (0 DRAM, 1 HBM) of many address ranges, vectorised; ``ValueError``
-        naming the first range that is not inside a live buffer of this platform."""
-        p = np.ascontiguousarray(ptrs, np.uint64)
-        n = np.ascontiguousarray(nbytes, np.uint64)
-        if p.shape != n.shape or p.ndim != 1:
-            raise ValueError(f"media_of needs two 1-D arrays of one length, got {p.shape} and {n.shape}")
+        """Where each range ``[ptrs[i], ptrs[i] + nbytes[i])`` lives, vectorised: a uint8 array
+        of medium codes (0 DRAM, 1 HBM). ``ValueError`` naming the first range that is not
+        inside one live buffer of this platform. O(1) Python work for any number of ranges."""
+        p = np.ascontiguousarray(ptrs, dtype=np.uint64).reshape(-1)
+        n = np.ascontiguousarray(nbytes, dtype=np.uint64).reshape(-1)
+        if p.shape != n.shape:
+            raise ValueError(f"media_of needs as many sizes as addresses, got {n.size} and {p.size}")
         return self._addrmap.media_of(p, n, what)
 
     def buffers(self) -> list[Buffer]:
