@@ -3,9 +3,8 @@
 The meta service's window registry gives each rank's export handle; this class maps them
 (``Platform.import_handle``), keeps this process's own window as is, and turns GVAs into
 local addresses with a vectorised lookup. Copies between caller buffers and windows go
-through the platform (``batch_copy``), or, when both ends are host-addressable (every
-sim buffer, DRAM on device platforms), straight through the native batched memcpy after
-the caller's range was checked against the platform's buffers.
+through the platform (``batch_copy``); only the single-piece read fast path
+(``reads.py``) copies host-addressable memory with a plain memmove.
 
 Thread-safe for lookups and copies; mapping changes take a lock and publish a new
 immutable snapshot.
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvfabric.errors import RankUnavailable
-from kvfabric.platform import native
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import CopyBatch, Medium
@@ -50,7 +48,6 @@ class MappedDataPlane:
         self._bufs: dict[tuple[int, Medium], tuple[Buffer, bool]] = {}  # -> (buffer, owned here)
         self._map = _Map(*(np.zeros(0, np.uint64) for _ in range(3)), np.zeros(0, bool), (), [], [], [], [])
         self._user_hit: tuple[Buffer, int, int, bool] | None = None
-        self._native = native.get()
 
     # ------------------------------------------------------------------ mapping
     def add_local(self, rank: int, medium: Medium, buf: Buffer) -> None:
@@ -128,10 +125,10 @@ class MappedDataPlane:
 
     # ------------------------------------------------------------------ copies
     def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, host: bool) -> None:
-        """Copy pieces between checked local addresses (``host``: both ends host-addressable)."""
-        if host:
-            self._native.memcpy_batch(dst, src, sizes)
-        else:
+        """Copy pieces between checked local addresses with one platform batched copy (so
+        device memory, the sim's cost ledger and its fault injection all apply). ``host``
+        is kept for callers that special-case host memory themselves."""
+        if dst.size:
             self.platform.batch_copy(CopyBatch(dst, src, sizes))
 
     def check_user(self, ptrs: np.ndarray, sizes: np.ndarray) -> bool:

@@ -17,6 +17,7 @@ from stores import (
     block_bytes,
     build_store,
     random_ids,
+    stop_pool_daemons,
 )
 
 from kvfabric.platform.types import Medium
@@ -31,6 +32,7 @@ N = 16
 def plat(spec):
     p = build(spec)
     yield p
+    stop_pool_daemons()
     p.close()
 
 
@@ -39,6 +41,7 @@ def store(store_spec, tmp_path, plat):
     s = build_store(store_spec, tmp_path, plat)
     yield s
     s.close()
+    stop_pool_daemons()
 
 
 def dump_all(store, ids, blocks, after=None):

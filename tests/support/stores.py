@@ -1,8 +1,9 @@
 """Store builders for the store conformance suite, importable in spawned children too.
 
-``STORE_SPECS`` lists every store and pipeline the suite runs on. When the pool store is
-registered, add ``"pool"`` and ``"cache|pool"`` here and a branch for ``"pool"`` in
-``config_for`` (how to reach an embedded pool); nothing else in the suite changes.
+``STORE_SPECS`` lists every store and pipeline the suite runs on. Pool specs reach a
+pool daemon running inside the test process (``PoolDaemon`` threads) on a socket under the
+test's directory, started on first use with the test's platform; spawned children connect
+to the same socket. ``stop_pool_daemons()`` ends them (the store fixtures call it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvfabric.ucm_layer.store.base import Store, StoreLayout
 from kvfabric.ucm_layer.store.posix_files import FileIO
 from kvfabric.ucm_layer.store.registry import create
 
-STORE_SPECS = ["posix", "cache", "cache|posix"]
+STORE_SPECS = ["posix", "cache", "cache|posix", "pool", "cache|pool"]
 #: lowest tiers whose contents outlive the writing process (the killed-writer test applies)
 PERSISTENT = {"posix", "pool"}
 
@@ -37,6 +38,9 @@ def config_for(spec: str, root: str | os.PathLike[str], layout: StoreLayout, **o
         cfg["posix.chunk"] = 4 * layout.shard_bytes
     if "cache" in tiers:
         cfg["cache.capacity"] = 256 * (layout.shard_bytes + 64)
+    if "pool" in tiers:
+        cfg["pool.socket"] = str(Path(root) / "pool.sock")
+        cfg["pool.timeout"] = 5.0
     if len(tiers) > 1:
         cfg["pipeline.workers"] = 2
     cfg.update(overrides)
@@ -50,11 +54,76 @@ def build_store(
     layout: StoreLayout = LAYOUT,
     **overrides: object,
 ) -> Store:
-    return create(config=config_for(spec, root, layout, **overrides), platform=platform, layout=layout)
+    cfg = config_for(spec, root, layout, **overrides)
+    if "pool.socket" in cfg:
+        ensure_pool_daemon(str(cfg["pool.socket"]), platform)
+    return create(config=cfg, platform=platform, layout=layout)
+
+
+_daemons: dict[str, object] = {}
+
+
+def ensure_pool_daemon(socket: str, platform: Platform) -> None:
+    """A pool daemon (threads of this process) on ``socket``, unless one answers there."""
+    from kvfabric.errors import ServiceUnavailable
+    from kvfabric.pool import protocol
+    from kvfabric.pool.config import PoolConfig
+    from kvfabric.pool.daemon import PoolDaemon
+    from kvfabric.pool.rpc import SocketTransport
+
+    if socket in _daemons:
+        return
+    probe = SocketTransport(socket, timeout=0.5)
+    try:
+        probe.call(protocol.Info())
+        return  # another process's (the test parent's) daemon
+    except ServiceUnavailable:
+        pass
+    finally:
+        probe.close()
+    name = f"t{abs(hash(socket)) % 10**8}"
+    d = PoolDaemon(
+        PoolConfig(
+            name=name, dram=64 << 20, socket=socket, max_objects=8192, write_lease_s=2.0, pretouch=False
+        ),
+        platform,
+    )
+    d.start()
+    _daemons[socket] = d
+
+
+def stop_pool_daemons() -> None:
+    while _daemons:
+        _, d = _daemons.popitem()
+        d.stop()  # type: ignore[attr-defined]
 
 
 def lowest(spec: str) -> str:
     return spec.split("|")[-1]
+
+
+def tier(store: Store, name: str) -> Store | None:
+    """The store called ``name`` inside ``store`` (itself, or a pipeline's lower tier)."""
+    for s in (store, getattr(store, "lower", None)):
+        if s is not None and s.name == name:
+            return s
+    return None
+
+
+def stall_pool_copies(store: Store, marker: str) -> None:
+    """Make the pool store's next copy into the pool write half its pieces, drop
+    ``marker`` and hang (the test then kills the process mid-dump)."""
+    dp = store.client.dp  # type: ignore[attr-defined]
+    real = dp.copy
+
+    def half_then_hang(dst, src, sizes, host):
+        k = max(1, len(dst) // 2)
+        real(dst[:k], src[:k], sizes[:k], host)
+        Path(marker).write_text("stalled")
+        while True:
+            time.sleep(1)
+
+    dp.copy = half_then_hang
 
 
 def posix_tier(store: Store) -> Store | None:
@@ -261,7 +330,10 @@ def child_dump_forever(
     store = build_store(spec, root, plat)
     if stall:
         posix = posix_tier(store)
-        posix.io = StallingIO(os.path.join(root, "stalled"), after_blocks=2)
+        if posix is not None:
+            posix.io = StallingIO(os.path.join(root, "stalled"), after_blocks=2)
+        else:
+            stall_pool_copies(tier(store, "pool"), os.path.join(root, "stalled"))
     blocks = Blocks(plat, LAYOUT, n)
     for r in range(10**6):
         ids = random_ids(n, seed + r)

@@ -7,10 +7,10 @@ one flat mapping: ``"store"`` (the spec, when ``spec`` is not given) and
 the pipeline. Keys for stores that are not part of the spec, and keys of no store at
 all, are errors that name the key, so a typo never goes unnoticed.
 
-Adding a store (e.g. the pool store): ``STORES["pool"] = "kvfabric.ucm_layer.store.pool:PoolStore"``
-here, or :func:`register` from outside. Its class implements the contract (``base.py``),
-takes ``(config_mapping, platform=, layout=)`` through ``from_config`` and returns
-:class:`~kvfabric.ucm_layer.store.task.StoreTask` tasks (pipelines cancel them).
+Adding a store: an entry in ``STORES`` here, or :func:`register` from outside. Its class
+implements the contract (``base.py``), takes ``(config_mapping, platform=, layout=)``
+through ``from_config`` and returns :class:`~kvfabric.ucm_layer.store.task.StoreTask`
+tasks (pipelines cancel them).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kvfabric.ucm_layer.store.base import Store, StoreLayout
 STORES: dict[str, str] = {
     "posix": "kvfabric.ucm_layer.store.posix:PosixStore",
     "cache": "kvfabric.ucm_layer.store.cache:CacheStore",
+    "pool": "kvfabric.ucm_layer.store.pool:PoolStore",
 }
 #: stores that may sit above another one in a pipeline
 CACHING_TIERS: set[str] = {"cache"}

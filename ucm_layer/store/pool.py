@@ -1,0 +1,208 @@
+"""``pool``: the kvfabric object pool as a KV block store.
+
+One pool object per block shard, keyed ``<prefix>/<32 hex digits of the id>/<shard>``.
+A dump is one ``batch_put_from_layers`` per chunk of blocks (one alloc RPC, one batched
+copy straight from the caller's ``m`` pieces into the pool's memory, one commit RPC); a
+load is one ``batch_get_into_layers`` per chunk (on the pool's node: no RPC, a lookup in
+the shared directory and one batched copy into the pieces). Objects are immutable and
+put-if-absent, so concurrent dumps of one block are harmless and a block is visible only
+once committed whole: a writer killed mid-dump leaves nothing visible (its allocation is
+reclaimed when the write lease ends).
+
+Where the pool is (keys ``pool.*``): ``pool.socket`` (or ``pool.tcp`` + ``pool.token``)
+names a running daemon (``kvfabric pool serve``); with neither, the store starts an
+embedded pool of ``pool.embedded_dram`` bytes in this process. A pool that does not
+answer makes ``lookup`` a miss (logged once), loads ``MISSING`` and dumps ``FAILED``.
+"""
+
+from __future__ import annotations
+
+import binascii
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvfabric.errors import KVFabricError, ServiceUnavailable
+from kvfabric.platform.base import Platform
+from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
+from kvfabric.ucm_layer.store.common import Request, TaskStore
+from kvfabric.ucm_layer.store.config import Key, as_float, as_int, as_size, parse_keys
+from kvfabric.ucm_layer.store.task import StoreTask
+from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, wait_after
+
+log = logging.getLogger("kvfabric.store")
+
+# pool Status -> store BlockStatus
+_OK, _EXISTS, _NOT_FOUND = 0, 1, 2
+
+
+def _as_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {type(v).__name__}")
+    return v.strip()
+
+
+@dataclass(frozen=True)
+class PoolStoreConfig:
+    """Configuration of the pool store (keys ``pool.*``; see docs/stores.md)."""
+
+    socket: str = ""
+    tcp: str = ""
+    token: str = ""
+    name: str = "default"
+    prefix: str = "kv"
+    window: int = 0
+    embedded_dram: int = 1 << 30
+    workers: int = 2
+    chunk: int = 64
+    timeout: float = 1.0
+
+    KEYS: ClassVar[tuple[Key, ...]] = (
+        Key("socket", _as_str, "", "Unix socket of a pool daemon ('' with no tcp: an embedded pool)"),
+        Key("tcp", _as_str, "", "HOST:PORT of a pool daemon on another node"),
+        Key("token", _as_str, "", "shared secret of the daemon's TCP endpoint"),
+        Key("name", _as_str, "default", "pool name (its default socket, and the embedded pool's name)"),
+        Key("prefix", _as_str, "kv", "key prefix of this store's objects in the pool"),
+        Key("window", as_size, 0, "bytes this process contributes to the pool as a rank (0: none)"),
+        Key("embedded_dram", as_size, 1 << 30, "size of the embedded pool when no daemon is named"),
+        Key("workers", as_int(1, 64), 2, "threads that run the store's transfers"),
+        Key("chunk", as_int(1, 1 << 20), 64, "blocks per pool batch call"),
+        Key("timeout", as_float(0.01), 1.0, "seconds before an unanswered pool call is a failure"),
+    )
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any]) -> PoolStoreConfig:
+        values = parse_keys("pool", cls.KEYS, config)
+        if not values["prefix"] or "/" in values["prefix"]:
+            raise ValueError(
+                f"config key pool.prefix must be non-empty without '/', got {values['prefix']!r}"
+            )
+        return cls(**values)
+
+
+class PoolStore(TaskStore):
+    """The pool store (see module docstring)."""
+
+    name = "pool"
+
+    def __init__(self, config: PoolStoreConfig, *, platform: Platform, layout: StoreLayout) -> None:
+        super().__init__(platform, layout)
+        self.config = config
+        self._embedded: Any = None
+        self.client = self._connect(config, platform)
+        self._sizes = layout.sizes
+        self._warned = False
+        self.workers = Workers(platform, config.workers, "kvfabric-poolstore")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], **kwargs: Any) -> PoolStore:
+        return cls(PoolStoreConfig.from_mapping(config), **kwargs)
+
+    def _connect(self, cfg: PoolStoreConfig, platform: Platform) -> Any:
+        from kvfabric.pool import connect
+
+        kwargs: dict[str, Any] = {"window_bytes": cfg.window} if cfg.window else {}
+        if cfg.socket or cfg.tcp:
+            return connect(
+                cfg.socket or None,
+                name=cfg.name,
+                tcp=cfg.tcp or None,
+                token=cfg.token,
+                platform=platform,
+                timeout=cfg.timeout,
+                **kwargs,
+            )
+        from kvfabric.pool.config import PoolConfig
+        from kvfabric.pool.node import EmbeddedPool
+
+        self._embedded = EmbeddedPool(PoolConfig(name=cfg.name, dram=cfg.embedded_dram), platform)
+        return self._embedded.client(**kwargs)
+
+    # ------------------------------------------------------------------ keys
+    def keys(self, ids: np.ndarray, shard: int) -> list[str]:
+        hexes = binascii.hexlify(np.ascontiguousarray(ids).tobytes()).decode()
+        p = self.config.prefix
+        return [f"{p}/{hexes[i : i + 32]}/{shard}" for i in range(0, len(hexes), 32)]
+
+    def _unavailable(self, e: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("kvfabric pool store: the pool did not answer (%s); treating it as a miss", e)
+
+    # ------------------------------------------------------------------ contract
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        arr = self._ids(ids)
+        n, shards = arr.shape[0], self.layout.num_shards
+        if n == 0:
+            return np.zeros(0, bool)
+        keys = [k for s in range(shards) for k in self.keys(arr, s)]
+        try:
+            present = self.client.batch_exists(keys)
+        except (ServiceUnavailable, KVFabricError) as e:
+            self._unavailable(e)
+            return np.zeros(n, bool)
+        self._warned = False
+        return present.reshape(shards, n).all(axis=0)
+
+    def _start_load(self, req: Request, task: StoreTask) -> None:
+        if req.n == 0:
+            task.seal()
+            return
+        self.workers.run(task, lambda ctx, sl: self._load(ctx, req, task, sl))
+
+    def _load(self, ctx: WorkerContext, req: Request, task: StoreTask, sl: slice) -> None:
+        keys = self.keys(req.ids[sl], req.shard)
+        with task.guard() as ok:
+            if not ok:
+                return
+            try:
+                st = self.client.batch_get_into_layers(keys, req.addrs[sl], self._sizes)
+            except (ServiceUnavailable, KVFabricError) as e:
+                self._unavailable(e)
+                task.set(sl, BlockStatus.MISSING if isinstance(e, ServiceUnavailable) else BlockStatus.FAILED)
+                return
+        out = np.where(
+            st == _OK, BlockStatus.OK, np.where(st == _NOT_FOUND, BlockStatus.MISSING, BlockStatus.FAILED)
+        ).astype(np.int8)
+        task.set(sl, out)
+
+    def _start_dump(self, req: Request, task: StoreTask) -> None:
+        if req.n == 0:
+            task.seal()
+            return
+        self.workers.submit(task, lambda ctx: self._dump(ctx, req, task))
+        task.seal()
+
+    def _dump(self, ctx: WorkerContext, req: Request, task: StoreTask) -> None:
+        verdict = wait_after(req.after, task, ctx.stream)
+        if verdict is BlockStatus.FAILED:
+            task.fail_pending()
+        if verdict is not None:
+            return
+        for start in range(0, req.n, self.config.chunk):
+            sl = slice(start, min(start + self.config.chunk, req.n))
+            keys = self.keys(req.ids[sl], req.shard)
+            with task.guard() as ok:
+                if not ok:
+                    return
+                try:
+                    st = self.client.batch_put_from_layers(keys, req.addrs[sl], self._sizes)
+                except (ServiceUnavailable, KVFabricError) as e:
+                    self._unavailable(e)
+                    task.set(sl, BlockStatus.FAILED)
+                    continue
+            good = (st == _OK) | (st == _EXISTS)
+            task.set(sl, np.where(good, BlockStatus.OK, BlockStatus.FAILED).astype(np.int8))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._settle()
+        self._closed = True
+        self.workers.close()
+        self.client.close()
+        if self._embedded is not None:
+            self._embedded.close()
