@@ -48,8 +48,8 @@ SHAPES: dict[str, tuple[int, ...]] = {
     "2x28x64KiB": (64 * KiB,) * 56,
     "deepseek-r1": (128 * KiB, 16 * KiB) * 61,
 }
-#: stores and pipelines benchmarked (add "pool" and "cache|pool" once the pool store exists)
-STORES = ["posix", "cache", "cache|posix"]
+#: stores and pipelines benchmarked
+STORES = ["posix", "cache", "cache|posix", "pool", "cache|pool"]
 LOOKUP_IDS = 1000
 
 
@@ -64,11 +64,16 @@ def _config(spec: str, root: str, layout: StoreLayout, blocks: int) -> dict[str,
     if "cache" in spec:
         cfg["cache.capacity"] = 2 * blocks * (layout.shard_bytes + 64) + MiB
         cfg["cache.prefault"] = True
+    if "pool" in spec:  # an embedded pool (pre-touched), with room for a few rounds
+        cfg["pool.embedded_dram"] = 3 * blocks * (layout.shard_bytes + 4 * KiB) + 64 * MiB
     return cfg
 
 
 def _posix_of(store: Store) -> Any:
-    return store if store.name == "posix" else getattr(store, "lower", None)
+    for s in (store, getattr(store, "lower", None)):
+        if s is not None and s.name == "posix":
+            return s
+    return None
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
