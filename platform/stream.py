@@ -7,9 +7,10 @@ Contract (the CUDA / ACL model):
   ``stream.wait_event(event)`` makes later work on ``stream`` wait for that point;
   ``event.query()`` / ``event.synchronize()`` test / wait for it from the host. An event
   never recorded counts as complete.
-* A copy that fails on a stream makes the next ``stream.synchronize()`` (and the
-  ``synchronize`` of an event recorded after it) raise ``TransferFailed``; the error is
-  reported once.
+* A copy that fails on a stream makes the next ``stream.synchronize()`` raise
+  ``TransferFailed``, and so does the ``synchronize`` of the next event recorded after
+  it (an event reports the failures since the stream's previous event); each reporter
+  reports it once.
 * Memory named by work in flight must stay alive until that work completes: callers own
   the buffers, streams do not keep them alive.
 

@@ -38,7 +38,6 @@ def connect(
     from kvfabric.pool.client import PoolClient
     from kvfabric.pool.config import default_socket
     from kvfabric.pool.rpc import SocketTransport
-    from kvfabric.pool.windows import FixedStride
 
     endpoint = f"tcp://{tcp}" if tcp else (socket or default_socket(name))
     transport = SocketTransport(endpoint, timeout=timeout, token=token)
@@ -49,7 +48,7 @@ def connect(
             raise ValueError(
                 f"the pool runs on platform {info['platform']!r}; this process uses {plat.name!r}"
             )
-        return PoolClient(transport, plat, FixedStride(info["stride"]), **client_kwargs)
+        return PoolClient(transport, plat, **client_kwargs)
     except BaseException:
         transport.close()
         raise

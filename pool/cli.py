@@ -69,9 +69,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     finally:
         t.close()
     if args.json:
-        info = {k: v for k, v in info.items() if k != "windows"} | {
-            "windows": [{k: v for k, v in w.items() if k != "handle"} for w in info["windows"]]
-        }
         print(json.dumps(info, default=str))
         return 0
     con = Console()

@@ -1,10 +1,13 @@
 """``PoolClient``: put / get / exists / remove, batched and zero-copy, against one pool.
 
 A client talks to the meta service for metadata only (one RPC per batch for alloc, one
-for commit; none for reads on the same node) and moves object bytes itself between its
-buffers and the windows (``MappedDataPlane``). Reads on the node look keys up in the
-shared directory table (``table.py``), copy, and re-check the slot afterwards, so an
-object removed or evicted meanwhile is a miss or a retry, never wrong bytes.
+for commit; none for reads or ``exists`` on the pool's node) and moves object bytes
+itself, as a rank of the pool's GVA fabric (``FabricDataPlane``): windows on this node
+are mapped here and copied with plain memory copies; windows elsewhere are reached
+through the fabric's remote transport. Reads on the node look keys up in the shared
+directory table, copy, and re-check the slot afterwards, so an object removed or evicted
+meanwhile is a miss or a retry, never wrong bytes (``reads.py``); writes are in
+``writes.py``.
 
 Buffers: zero-copy calls take addresses of memory the client's platform knows
 (``register_buffer`` for caller memory, or buffers from ``platform.alloc`` / ``wrap``);
@@ -14,20 +17,18 @@ Single calls raise typed errors (``KeyNotFound``, ``OutOfSpace``, ``LeaseExpired
 ``TransferFailed``, ``ServiceUnavailable``); batch calls return a per-key ``Status``
 array and raise only when the service itself is unreachable. Thread-safe.
 
-``local_reads=False`` makes a client on the node read like one on another node (RPC read
+``window_bytes``: the client contributes a window of its own as a rank; objects may be
+placed in its memory (its own puts first), and it re-registers those objects if the meta
+service restarts. ``metadata_only``: no fabric, no data path; only ``exists`` and the
+other metadata calls. ``local_reads=False``: read like a client on another node (RPC read
 leases), which is also how that path is tested.
-
-A client may contribute a window of its own (``window_bytes``): it becomes a rank of the
-pool, objects may be placed in its memory (its own puts first), and it re-registers
-those objects if the meta service restarts. ``metadata_only`` clients map nothing and
-can only ask about keys.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -39,19 +40,29 @@ from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
-from kvfabric.pool.dataplane import MappedDataPlane
+from kvfabric.pool.dataplane import FabricDataPlane
+from kvfabric.pool.gva.config import GvaConfig
+from kvfabric.pool.gva.fabric import Fabric
 from kvfabric.pool.keys import encode_key, encode_keys
 from kvfabric.pool.reads import Reader
 from kvfabric.pool.rpc import Transport
 from kvfabric.pool.status import Status
 from kvfabric.pool.table import TableRetired, TableView, attach
-from kvfabric.pool.windows import Addressing
+from kvfabric.pool.windows import FixedStride
+from kvfabric.pool.writes import Writer, u64
 
 log = logging.getLogger("kvfabric.pool.client")
+JOIN_VISIBLE_S = 5.0
 
 
-def _u64(values: Any) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(values, dtype=np.uint64).reshape(-1))
+def gva_config(info: dict[str, Any]) -> GvaConfig:
+    """The fabric configuration every rank of a pool shares (from the service's Info)."""
+    return GvaConfig(
+        namespace=info["namespace"],
+        dram_stride=info["stride"],
+        hbm_stride=info["stride"],
+        transports=tuple(t.strip() for t in info["transports"].split(",") if t.strip()),
+    )
 
 
 class PoolClient:
@@ -61,7 +72,6 @@ class PoolClient:
         self,
         transport: Transport,
         platform: Platform,
-        addressing: Addressing,
         *,
         window_bytes: int = 0,
         window_medium: Medium = Medium.DRAM,
@@ -71,26 +81,29 @@ class PoolClient:
     ) -> None:
         self.transport = transport
         self.platform = platform
-        self.addr = addressing
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.metadata_only = metadata_only
         self.local_reads = local_reads
-        self.dp = MappedDataPlane(platform, addressing)
         self.table: TableView | None = None
+        self.fabric: Fabric | None = None
+        self.dp: FabricDataPlane = None  # type: ignore[assignment]
         self.rank: int | None = None
         self._window: Buffer | None = None
-        self._window_medium = window_medium
-        self._owned: dict[bytes, tuple[int, int, int]] = {}  # objects in our window
-        self._pending: dict[bytes, tuple[int, int, int]] = {}  # allocated, not committed
-        self._lock = threading.Lock()
         self._epoch = 0
         self._closed = False
-        info = self._call(p.Info()).data
-        self._sync(info)
-        if window_bytes and not metadata_only:
-            self._window = platform.alloc(window_bytes, window_medium, shareable=True)
-            self._add_window(-1)
+        self.writer = Writer(self)
         self.reader = Reader(self)
+        info = self._call(p.Info()).data
+        self.addr = FixedStride(info["stride"])
+        try:
+            if not metadata_only:
+                if window_bytes:
+                    self._window = platform.alloc(window_bytes, window_medium, shareable=True)
+                self._join(info, rank=None)
+            self._attach(info)
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, req: Any) -> p.Reply:
@@ -100,19 +113,33 @@ class PoolClient:
         self._epoch = reply.epoch
         return reply
 
-    def _sync(self, info: dict[str, Any]) -> None:
-        """Attach the directory table and map every window the service lists."""
-        if self.metadata_only:
+    def _join(self, info: dict[str, Any], rank: int | None) -> None:
+        windows = {self._window.medium: self._window} if self._window is not None else {}
+        self.fabric = Fabric.join(
+            info["rendezvous"], self.platform, windows, rank=rank, config=gva_config(info)
+        )
+        self.rank = self.fabric.rank
+        self.dp = FabricDataPlane(self.fabric)
+        if self._window is not None:  # the service places objects here once it saw us join
+            deadline = time.monotonic() + JOIN_VISIBLE_S
+            while self.rank not in self.transport.call(p.Info()).data["ranks"]:
+                if time.monotonic() > deadline:
+                    log.warning("the pool service has not seen rank %s join yet", self.rank)
+                    break
+                time.sleep(0.01)
+
+    def _attach(self, info: dict[str, Any]) -> None:
+        """Map the service's directory table (same node only)."""
+        if self.metadata_only and not self.local_reads:
             return
         if self.local_reads and (self.table is None or self.table.seg.name != info["table"]):
+            old, self.table = self.table, None
+            if old is not None:
+                old.close()
             try:
                 self.table = attach(info["table"], info["table_bytes"])
             except Exception as e:  # noqa: BLE001 - another node: no shared table, use RPC
                 log.info("pool directory table not mapped (%s); reads use RPC leases", e)
-                self.table = None
-        for w in info["windows"]:
-            if w["rank"] != self.rank and w["handle"]:
-                self.dp.map(w["rank"], Medium(w["medium"]), w["handle"])
 
     def _read(self, fn: Any, *args: Any) -> Any:
         """Run a read; if the service restarted under it (table retired), catch up once."""
@@ -123,35 +150,39 @@ class PoolClient:
             return fn(*args)
 
     def refresh(self) -> None:
-        """Re-read the service's window list (new ranks) and table."""
-        self._sync(self._call(p.Info()).data)
-
-    def _add_window(self, rank: int) -> None:
-        w = self._window
-        if w is None:
-            raise ValueError("this client contributes no window")
-        reply = self._call(
-            p.AddWindow(
-                self.client_id, rank, w.medium.value, w.nbytes, self.platform.export_handle(w), os.getpid()
-            )
-        )
-        self.rank = int(reply.data["rank"])
-        self.dp.add_local(self.rank, w.medium, w)
+        """Re-read the service's state (a restart is noticed and caught up with here)."""
+        self._attach(self._call(p.Info()).data)
 
     def _on_restart(self, epoch: int) -> None:
-        """The meta service restarted: re-add our window, re-register our objects."""
-        log.warning("pool meta service restarted (epoch %x -> %x); re-registering", self._epoch, epoch)
+        """The meta service restarted: rejoin its fabric (same rank, same window) and
+        re-register the objects this client's window holds."""
+        log.warning("pool meta service restarted (epoch %x -> %x); rejoining", self._epoch, epoch)
         self._epoch = epoch
-        if self._window is not None and self.rank is not None:
-            self._add_window(self.rank)
-            with self._lock:
-                items = list(self._owned.items())
-            if items:
-                keys = [k for k, _ in items]
-                gv, sz, gn = zip(*(v for _, v in items))
-                self._call(p.Reregister(keys, list(gv), list(sz), list(gn)))
-        self.table = None
-        self.refresh()
+        info = self.transport.call(p.Info()).data
+        if self.fabric is not None:
+            try:
+                self.fabric.leave()
+            except Exception as e:  # noqa: BLE001 - its store died with the old service
+                log.debug("leaving the old fabric: %s", e)
+            self._join(info, rank=self.rank if self._window is not None else None)
+        items = self.writer.owned_items()
+        if items:
+            keys = [k for k, _ in items]
+            gv, sz, gn = zip(*(v for _, v in items))
+            self.transport.call(p.Reregister(keys, list(gv), list(sz), list(gn)))
+        self._attach(info)
+
+    def in_own_window(self, gva: int) -> bool:
+        if self.rank is None or self._window is None:
+            return False
+        lo = self.addr.encode(self._window.medium, self.rank, 0)
+        return lo <= gva < lo + self._window.nbytes
+
+    def _require_data(self) -> None:
+        if self.metadata_only:
+            raise ValueError("a metadata-only pool client cannot move object bytes")
+        if self._closed:
+            raise ValueError("pool client is closed")
 
     # ------------------------------------------------------------------ metadata
     def exists(self, key: str) -> bool:
@@ -169,14 +200,11 @@ class PoolClient:
     def batch_remove(self, keys: Sequence[str]) -> np.ndarray:
         kb = encode_keys(keys)
         st = np.array(self._call(p.Remove(kb)).status, np.int8)
-        with self._lock:
-            for k in kb:
-                self._owned.pop(k, None)
+        self.writer.forget(kb)
         return st
 
     def remove_all(self) -> int:
-        with self._lock:
-            self._owned.clear()
+        self.writer.forget()
         return int(self._call(p.RemoveAll()).data["removed"])
 
     def info(self) -> dict[str, Any]:
@@ -190,7 +218,7 @@ class PoolClient:
     def unregister_buffer(self, buf: Buffer) -> None:
         self.platform.free(buf)
 
-    # ------------------------------------------------------------------ layer-wise writes
+    # ------------------------------------------------------------------ writes
     def batch_alloc(
         self,
         keys: Sequence[str],
@@ -199,125 +227,41 @@ class PoolClient:
         medium: Medium | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Space for each key: ``(status, gva)``. Write pieces at ``gva + offset`` with
-        :meth:`write`, then :meth:`batch_commit`. Uncommitted space is reclaimed when the
-        write lease ends."""
-        kb = encode_keys(keys)
-        sz = [int(s) for s in sizes]
-        if len(sz) != len(kb):
-            raise ValueError(f"batch_alloc: {len(kb)} keys but {len(sz)} sizes")
-        if any(s <= 0 for s in sz):
-            raise ValueError("batch_alloc: sizes must be > 0")
-        self._require_data()
-        r = self._call(
-            p.Alloc(
-                self.client_id, kb, sz, self.rank, preferred_rank, None if medium is None else medium.value
-            )
-        )
-        with self._lock:
-            for k, s, g, gen, n in zip(kb, r.status, r.gvas, r.gens, sz):
-                if s == Status.OK:
-                    self._pending[k] = (g, n, gen)
-        return np.array(r.status, np.int8), np.array(r.gvas, np.uint64)
+        :meth:`write`, then :meth:`batch_commit`; space not committed within the write
+        lease is reclaimed."""
+        return self.writer.batch_alloc(keys, sizes, preferred_rank, medium)
 
     def write(self, gvas: Any, ptrs: Any, sizes: Any) -> None:
         """Copy caller pieces ``ptrs[i]`` (``sizes[i]`` bytes) to ``gvas[i]``."""
-        g, src, n = _u64(gvas), _u64(ptrs), _u64(sizes)
-        if not (g.size == src.size == n.size):
-            raise ValueError(f"write: {g.size} gvas, {src.size} ptrs, {n.size} sizes")
-        host = self.dp.check_user(src, n)
-        dst, whost = self.dp.resolve_many(g, n)
-        self.dp.copy(dst, src, n, host and bool(whost.all()))
+        self.writer.write(gvas, ptrs, sizes)
 
     def batch_commit(
         self, keys: Sequence[str], ok: Sequence[bool] | None = None, ttl_s: float | None = None
     ) -> np.ndarray:
-        kb = encode_keys(keys)
-        flags = [True] * len(kb) if ok is None else [bool(x) for x in ok]
-        st = self._call(p.Commit(self.client_id, kb, flags, ttl_s)).status
-        with self._lock:
-            for k, s, f in zip(kb, st, flags):
-                entry = self._pending.pop(k, None)
-                if entry is not None and s == Status.OK and f and self._in_own_window(entry[0]):
-                    self._owned[k] = entry
-        return np.array(st, np.int8)
+        return self.writer.batch_commit(keys, ok, ttl_s)
 
-    def _in_own_window(self, gva: int) -> bool:
-        if self.rank is None or self._window is None:
-            return False
-        lo = self.addr.encode(self._window.medium, self.rank, 0)
-        return lo <= gva < lo + self._window.nbytes
-
-    def _require_data(self) -> None:
-        if self.metadata_only:
-            raise ValueError("a metadata-only pool client cannot move object bytes")
-        if self._closed:
-            raise ValueError("pool client is closed")
-
-    # ------------------------------------------------------------------ puts
     def batch_put_from_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
         """Store each key from ``m`` pieces: ``ptrs`` is ``(k, m)``, ``sizes`` ``(m,)`` or
         ``(k, m)``. One alloc RPC, one batched copy, one commit RPC. Per-key statuses."""
-        kb = encode_keys(keys)
-        P = np.asarray(ptrs, dtype=np.uint64)
-        if P.ndim == 1:
-            P = P.reshape(len(kb), -1)
-        S = np.asarray(sizes, dtype=np.uint64)
-        S = np.broadcast_to(S, P.shape) if S.ndim == 1 else S
-        if P.shape[0] != len(kb) or S.shape != P.shape:
-            raise ValueError(f"ptrs {P.shape} / sizes {S.shape} do not match {len(kb)} keys")
-        if (S == 0).any():
-            raise ValueError("piece sizes must be > 0")
-        host = self.dp.check_user(P.reshape(-1), S.reshape(-1))
-        totals = S.sum(axis=1)
-        st, gvas = self.batch_alloc(keys, totals.tolist())
-        ok = st == Status.OK
-        if ok.any():
-            offs = np.cumsum(S[ok], axis=1) - S[ok]
-            g = (gvas[ok][:, None] + offs).reshape(-1)
-            try:
-                dst, whost = self.dp.resolve_many(g, S[ok].reshape(-1))
-                self.dp.copy(
-                    dst,
-                    np.ascontiguousarray(P[ok]).reshape(-1),
-                    np.ascontiguousarray(S[ok]).reshape(-1),
-                    host and bool(whost.all()),
-                )
-            except Exception:
-                self.batch_commit([k for k, good in zip(keys, ok) if good], [False] * int(ok.sum()))
-                raise
-            cst = self.batch_commit([k for k, good in zip(keys, ok) if good])
-            st[ok] = np.where(cst == Status.OK, Status.OK, cst)
-        return st
+        return self.writer.batch_put_from_layers(keys, ptrs, sizes)
 
     def put_from_layers(self, key: str, ptrs: Any, sizes: Any) -> Status:
-        st = Status(int(self.batch_put_from_layers([key], _u64(ptrs)[None, :], _u64(sizes))[0]))
-        return _raise_put(key, st)
+        return _raise_put(
+            key, Status(int(self.writer.batch_put_from_layers([key], u64(ptrs)[None, :], u64(sizes))[0]))
+        )
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
-        return self.batch_put_from_layers(keys, _u64(ptrs)[:, None], _u64(sizes)[:, None])
+        return self.writer.batch_put_from_layers(keys, u64(ptrs)[:, None], u64(sizes)[:, None])
 
     def put_from(self, key: str, ptr: int, nbytes: int) -> Status:
         return _raise_put(key, Status(int(self.batch_put_from([key], [ptr], [nbytes])[0])))
 
     def batch_put(self, keys: Sequence[str], values: Sequence[bytes]) -> np.ndarray:
-        if len(keys) != len(values):
-            raise ValueError(f"batch_put: {len(keys)} keys but {len(values)} values")
-        arrays = [np.frombuffer(v, np.uint8) if len(v) else None for v in values]
-        if any(a is None for a in arrays):
-            raise ValueError("batch_put: values must not be empty")
-        staging = np.concatenate(arrays)
-        buf = self.platform.wrap(staging) if staging.flags.writeable else None
-        try:
-            sizes = np.fromiter((a.nbytes for a in arrays), np.uint64, len(arrays))  # type: ignore[union-attr]
-            offs = np.cumsum(sizes) - sizes
-            return self.batch_put_from(keys, np.uint64(staging.ctypes.data) + offs, sizes)
-        finally:
-            if buf is not None:
-                self.platform.free(buf)
+        return self.writer.batch_put(keys, values)
 
     def put(self, key: str, value: bytes) -> Status:
         encode_key(key)
-        return _raise_put(key, Status(int(self.batch_put([key], [value])[0])))
+        return _raise_put(key, Status(int(self.writer.batch_put([key], [value])[0])))
 
     # ------------------------------------------------------------------ gets
     def get_into(self, key: str, ptr: int, nbytes: int) -> int:
@@ -325,11 +269,11 @@ class PoolClient:
         return self._read(self.reader.get_into, encode_key(key), int(ptr), int(nbytes))
 
     def get_into_layers(self, key: str, ptrs: Any, sizes: Any) -> int:
-        return self._read(self.reader.get_into_layers, encode_key(key), _u64(ptrs), _u64(sizes))
+        return self._read(self.reader.get_into_layers, encode_key(key), u64(ptrs), u64(sizes))
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
         return self._read(
-            self.reader.batch_get_into_layers, encode_keys(keys), _u64(ptrs)[:, None], _u64(sizes)[:, None]
+            self.reader.batch_get_into_layers, encode_keys(keys), u64(ptrs)[:, None], u64(sizes)[:, None]
         )
 
     def batch_get_into_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
@@ -347,15 +291,16 @@ class PoolClient:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        """Leave the fabric (the service then drops this rank's objects) and release
+        the window and the table. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self.rank is not None and self._window is not None:
+        if self.fabric is not None:
             try:
-                self._call(p.DropRank(self.rank))
+                self.fabric.leave()
             except Exception as e:  # noqa: BLE001 - closing: the service may be gone
-                log.debug("drop_rank on close failed: %s", e)
-        self.dp.close()
+                log.debug("leaving the pool fabric: %s", e)
         if self._window is not None and not self._window.freed:
             self.platform.free(self._window)
         if self.table is not None:

@@ -55,6 +55,8 @@ class PoolConfig:
     align: int = 256  # allocation granularity in bytes
     rpc_timeout_s: float = 1.0  # clients: a call not answered by then is ServiceUnavailable
     pretouch: bool = True  # fault the service's window in at start (first touch is slow)
+    rendezvous: str = ""  # "" -> the node hosts one; else a store url (etcd://host:port)
+    transports: str = "mapped"  # GVA transports ranks may use, in order ("mapped,remote")
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in "/ \0"):
@@ -83,6 +85,13 @@ class PoolConfig:
             _host_port(self.tcp, "tcp")
         if self.http:
             _host_port(self.http, "http")
+        names = [t.strip() for t in self.transports.split(",") if t.strip()]
+        if not names or any(t not in ("mapped", "remote") for t in names):
+            raise ValueError(f"pool config transports={self.transports!r}: a list of mapped, remote")
+        if self.rendezvous and "://" not in self.rendezvous:
+            raise ValueError(
+                f"pool config rendezvous={self.rendezvous!r}: expected a url like etcd://HOST:PORT"
+            )
         if self.token and not self.tcp:
             raise ValueError("pool config token is only used with tcp; set tcp=HOST:PORT")
         if not self.socket:

@@ -1,135 +1,66 @@
-"""``MappedDataPlane``: the same-node data path — every window mapped into this process.
+"""``FabricDataPlane``: how a pool client moves object bytes — through the GVA fabric.
 
-The meta service's window registry gives each rank's export handle; this class maps them
-(``Platform.import_handle``), keeps this process's own window as is, and turns GVAs into
-local addresses with a vectorised lookup. Copies between caller buffers and windows go
-through the platform (``batch_copy``); only the single-piece read fast path
-(``reads.py``) copies host-addressable memory with a plain memmove.
+Every process of a pool is a rank of one :class:`~kvfabric.pool.gva.fabric.Fabric`
+(``pool.gva``): windows on this node are mapped here, windows on other nodes are reached
+through the fabric's remote transport. The pool's GVAs are the fabric's (its strides are
+pinned, so an address in the directory never changes meaning).
 
-Thread-safe for lookups and copies; mapping changes take a lock and publish a new
-immutable snapshot.
+* ``local(gva, n)``: the mapped address of a range, or None when it lives on another node
+  (the single-piece read fast path copies from there with a plain memmove);
+* ``write`` / ``read``: many pieces between caller memory and GVAs in one
+  ``batch_xcopy`` (grouped by rank pair, mapped or remote); per-piece success comes back
+  so a batch fails only the objects whose pieces failed;
+* ``check_user_one``: the caller's range must lie in a buffer its platform knows.
+
+Thread-safe (the fabric is).
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
-from dataclasses import dataclass
-
 import numpy as np
 
-from kvfabric.errors import RankUnavailable
-from kvfabric.platform.base import Platform
+from kvfabric.errors import RankUnavailable, TransferFailed
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import CopyBatch, Medium
-from kvfabric.pool.windows import Addressing
+from kvfabric.pool.gva.fabric import Fabric
+from kvfabric.pool.gva.handle import ItemStatus
+
+_REGION_MEDIUM = {1: Medium.DRAM, 2: Medium.HBM}
 
 
-@dataclass(frozen=True)
-class _Map:
-    lo: np.ndarray  # uint64 gva of each window's offset 0, sorted
-    hi: np.ndarray
-    base: np.ndarray  # uint64 local address of offset 0
-    host: np.ndarray  # bool: host-addressable
-    ranks: tuple[int, ...]
-    lo_list: list[int]  # the same columns as Python ints, for scalar lookups
-    hi_list: list[int]
-    base_list: list[int]
-    host_list: list[bool]
-
-
-class MappedDataPlane:
+class FabricDataPlane:
     """See module docstring."""
 
-    def __init__(self, platform: Platform, addressing: Addressing) -> None:
-        self.platform = platform
-        self.addr = addressing
-        self._lock = threading.Lock()
-        self._bufs: dict[tuple[int, Medium], tuple[Buffer, bool]] = {}  # -> (buffer, owned here)
-        self._map = _Map(*(np.zeros(0, np.uint64) for _ in range(3)), np.zeros(0, bool), (), [], [], [], [])
+    def __init__(self, fabric: Fabric) -> None:
+        self.fab = fabric
+        self.platform = fabric.platform
         self._user_hit: tuple[Buffer, int, int, bool] | None = None
+        self._host = {m: self.platform.host_addressable(m) for m in Medium}
 
-    # ------------------------------------------------------------------ mapping
-    def add_local(self, rank: int, medium: Medium, buf: Buffer) -> None:
-        """This process's own window (kept, never freed here)."""
-        with self._lock:
-            self._bufs[(rank, medium)] = (buf, False)
-            self._rebuild()
+    def local(self, gva: int, n: int) -> tuple[int, bool] | None:
+        """``(address, host-addressable)`` of a range mapped here, else None."""
+        try:
+            ptr = self.fab.local_address(gva, n)
+        except RankUnavailable:
+            return None
+        return ptr, self._host[_REGION_MEDIUM[gva >> 60]]
 
-    def map(self, rank: int, medium: Medium, handle: bytes) -> None:
-        """Map another rank's window from its export handle (idempotent)."""
-        with self._lock:
-            if (rank, medium) in self._bufs:
-                return
-            buf = self.platform.import_handle(handle)
-            if self.platform.host_addressable(buf.medium):
-                buf.numpy()[::4096].max()  # map every page now (cheap: the owner touched them)
-            self._bufs[(rank, medium)] = (buf, True)
-            self._rebuild()
+    def write(self, gvas: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Copy caller pieces to GVAs; per-piece success (bool array)."""
+        return self._xcopy(gvas, srcs, sizes)
 
-    def unmap(self, rank: int) -> None:
-        with self._lock:
-            for key in [k for k in self._bufs if k[0] == rank]:
-                buf, owned = self._bufs.pop(key)
-                if owned:
-                    self.platform.free(buf)
-            self._rebuild()
+    def read(self, dsts: np.ndarray, gvas: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Copy GVA pieces into caller memory; per-piece success (bool array)."""
+        return self._xcopy(dsts, gvas, sizes)
 
-    def ranks(self) -> set[int]:
-        return {r for r, _ in self._bufs}
-
-    def _rebuild(self) -> None:
-        items = sorted(
-            ((self.addr.encode(m, r, 0), r, m, b) for (r, m), (b, _) in self._bufs.items()),
-            key=lambda t: t[0],
-        )
-        hv = self.platform.host_addressable
-        lo = [t[0] for t in items]
-        hi = [t[0] + t[3].nbytes for t in items]
-        base = [t[3].ptr for t in items]
-        host = [hv(t[3].medium) for t in items]
-        self._map = _Map(
-            np.array(lo, np.uint64),
-            np.array(hi, np.uint64),
-            np.array(base, np.uint64),
-            np.array(host, bool),
-            tuple(t[1] for t in items),
-            lo,
-            hi,
-            base,
-            host,
-        )
-
-    # ------------------------------------------------------------------ addresses
-    def resolve(self, gva: int, n: int) -> tuple[int, bool]:
-        """``(local address, host-addressable)`` of ``[gva, gva + n)``."""
-        m = self._map
-        i = bisect.bisect_right(m.lo_list, gva) - 1
-        if i < 0 or gva + n > m.hi_list[i]:
-            medium, rank, off = self.addr.decode(gva)
-            raise RankUnavailable(
-                f"no mapped {medium.value} window of rank {rank} holds {n} B at offset {off} (gva {gva:#x})"
-            )
-        return m.base_list[i] + gva - m.lo_list[i], m.host_list[i]
-
-    def resolve_many(self, gvas: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Vectorised :meth:`resolve`: ``(local addresses, host-addressable flags)``."""
-        m = self._map
-        g = gvas.astype(np.uint64, copy=False)
-        i = np.searchsorted(m.lo, g, side="right").astype(np.int64) - 1
-        bad = (i < 0) | ((g + sizes.astype(np.uint64)) > m.hi[np.maximum(i, 0)] if m.hi.size else True)
-        if np.any(bad):
-            k = int(np.flatnonzero(bad)[0])
-            self.resolve(int(g[k]), int(sizes[k]))  # raises with the details
-        return m.base[i] + (g - m.lo[i]), m.host[i]
-
-    # ------------------------------------------------------------------ copies
-    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, host: bool) -> None:
-        """Copy pieces between checked local addresses with one platform batched copy (so
-        device memory, the sim's cost ledger and its fault injection all apply). ``host``
-        is kept for callers that special-case host memory themselves."""
-        if dst.size:
-            self.platform.batch_copy(CopyBatch(dst, src, sizes))
+    def _xcopy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        if dst.size == 0:
+            return np.ones(0, bool)
+        try:
+            handle = self.fab.batch_xcopy(CopyBatch(dst, src, sizes))
+        except RankUnavailable:
+            return np.zeros(dst.size, bool)  # a rank named by the batch is gone
+        return handle.wait() == ItemStatus.OK
 
     def check_user(self, ptrs: np.ndarray, sizes: np.ndarray) -> bool:
         """Check caller ranges lie in platform buffers; True when all are host-addressable."""
@@ -143,16 +74,12 @@ class MappedDataPlane:
         last = self._user_hit
         if last is not None and last[1] <= ptr and ptr + n <= last[2] and not last[0].freed:
             return last[3]
-        span = self.platform.find(ptr, n)
-        buf = span.buffer
-        host = self.platform.host_addressable(buf.medium)
+        buf = self.platform.find(ptr, n).buffer
+        host = self._host[buf.medium]
         self._user_hit = (buf, buf.ptr, buf.end, host)
         return host
 
-    def close(self) -> None:
-        with self._lock:
-            for buf, owned in self._bufs.values():
-                if owned and not buf.freed:
-                    self.platform.free(buf)
-            self._bufs.clear()
-            self._rebuild()
+
+def require(ok: np.ndarray, what: str) -> None:
+    if not ok.all():
+        raise TransferFailed(f"{what}: {int((~ok).sum())} of {ok.size} piece(s) could not be copied")

@@ -58,13 +58,31 @@ def _exercise(con: Console, client: object, block: int) -> bool:
     np.copyto(scratch, src)
     t_mem = time.perf_counter() - t0
     total = BLOCKS * block
-    t = Table("pool step", "blocks", "hits", "GB/s", "memcpy GB/s", "check",
-              title=f"embedded pool on {plat.name}: {BLOCKS} blocks of {len(PIECES)} pieces "
-                    f"({block / 2**20:.2f} MiB each)")
-    t.add_row("batch_put_from_layers", str(BLOCKS), "-", f"{total / t_put / 1e9:.2f}",
-              f"{total / t_mem / 1e9:.2f}", "all stored" if (st == Status.OK).all() else "FAILED")
-    t.add_row("batch_get_into_layers", str(BLOCKS + 1), str(int((hits == Status.OK).sum())),
-              f"{total / t_get / 1e9:.2f}", f"{total / t_mem / 1e9:.2f}",
-              "bytes match, 1 miss" if ok and hits[-1] == Status.NOT_FOUND else "MISMATCH")
+    t = Table(
+        "pool step",
+        "blocks",
+        "hits",
+        "GB/s",
+        "memcpy GB/s",
+        "check",
+        title=f"embedded pool on {plat.name}: {BLOCKS} blocks of {len(PIECES)} pieces "
+        f"({block / 2**20:.2f} MiB each)",
+    )
+    t.add_row(
+        "batch_put_from_layers",
+        str(BLOCKS),
+        "-",
+        f"{total / t_put / 1e9:.2f}",
+        f"{total / t_mem / 1e9:.2f}",
+        "all stored" if (st == Status.OK).all() else "FAILED",
+    )
+    t.add_row(
+        "batch_get_into_layers",
+        str(BLOCKS + 1),
+        str(int((hits == Status.OK).sum())),
+        f"{total / t_get / 1e9:.2f}",
+        f"{total / t_mem / 1e9:.2f}",
+        "bytes match, 1 miss" if ok and hits[-1] == Status.NOT_FOUND else "MISMATCH",
+    )
     con.print(t)
     return ok and hits[-1] == Status.NOT_FOUND

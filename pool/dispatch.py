@@ -1,36 +1,26 @@
 """``Dispatcher``: turns protocol requests into ``MetaService`` calls, one at a time.
 
 Both the RPC server loop and the embedded (in-process) transport go through it, under
-its lock, so the service stays single-threaded whatever calls it. It also keeps the
-window registry clients need to map other ranks (handles) and the request metrics.
+its lock, so the service stays single-threaded whatever calls it. It also applies the
+pool's membership (``apply_table``, called by the node on every segment-table change of
+the GVA fabric): a rank that joins with windows gets them allocatable, a rank that
+leaves or dies takes its objects out of the directory at once.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
+from kvfabric.pool.gva.segments import SegmentTable
 from kvfabric.pool.meta import MetaService
 from kvfabric.pool.metrics import PoolMetrics
-from kvfabric.pool.status import Status
 
 log = logging.getLogger("kvfabric.pool")
-
-
-@dataclass(frozen=True)
-class WindowInfo:
-    rank: int
-    medium: str
-    size: int
-    handle: bytes
-    client: str
-    pid: int = 0
 
 
 class Dispatcher:
@@ -40,17 +30,14 @@ class Dispatcher:
         self,
         service: MetaService,
         epoch: int,
-        table_name: str,
-        table_bytes: int,
+        info: dict[str, Any],
         metrics: PoolMetrics | None = None,
-        extra_info: dict[str, Any] | None = None,
     ) -> None:
         self.service = service
         self.epoch = epoch
         self.lock = threading.Lock()
-        self.windows: dict[tuple[int, str], WindowInfo] = {}
         self.metrics = metrics or PoolMetrics()
-        self._info = {"table": table_name, "table_bytes": table_bytes, **(extra_info or {})}
+        self._info = dict(info)
         self.started = time.time()
 
     def handle(self, req: Any) -> p.Reply:
@@ -66,18 +53,21 @@ class Dispatcher:
 
     def tick(self) -> None:
         with self.lock:
-            self._drop_dead_ranks()
             self.service.tick()
             self.metrics.update_state(self.service)
 
-    def _drop_dead_ranks(self) -> None:
-        """A rank whose owner process (on this node) exited leaves the pool at once."""
-        dead = {w.rank for w in self.windows.values() if w.pid and not _alive(w.pid)}
-        for rank in dead:
-            removed = self.service.drop_rank(rank)
-            for k in [k for k in self.windows if k[0] == rank]:
-                del self.windows[k]
-            log.warning("pool rank %d left (its process exited); %d object(s) dropped", rank, removed)
+    def apply_table(self, table: SegmentTable) -> None:
+        """Make the service's windows match the fabric's segment table."""
+        with self.lock:
+            s = self.service
+            want = {(seg.rank, seg.medium): seg.nbytes for seg in table.segments}
+            for rank in sorted({r for r, _ in s.windows} - {r for r, _ in want}):
+                removed = s.drop_rank(rank)
+                log.info("pool rank %d left; %d object(s) dropped from the directory", rank, removed)
+            for (rank, medium), size in want.items():
+                if (rank, medium) not in s.windows:
+                    s.add_window(rank, medium, size)
+                    log.info("pool rank %d contributes %d B of %s", rank, size, medium.value)
 
     def _dispatch(self, req: Any) -> p.Reply:
         s, e = self.service, self.epoch
@@ -100,20 +90,6 @@ class Dispatcher:
             return p.Reply(e, data={"removed": s.remove_all()})
         if isinstance(req, p.Reregister):
             return p.Reply(e, status=s.reregister(req.keys, req.gvas, req.sizes, req.gens))
-        if isinstance(req, p.AddWindow):
-            medium = Medium.parse(req.medium)
-            rank = req.rank if req.rank >= 0 else 1 + max((r for r, _ in s.windows), default=-1)
-            if (rank, medium) not in s.windows:
-                s.add_window(rank, medium, req.size)
-            self.windows[(rank, medium.value)] = WindowInfo(
-                rank, medium.value, req.size, req.handle, req.client, req.pid
-            )
-            return p.Reply(e, data={"rank": rank})
-        if isinstance(req, p.DropRank):
-            removed = s.drop_rank(req.rank)
-            for k in [k for k in self.windows if k[0] == req.rank]:
-                del self.windows[k]
-            return p.Reply(e, data={"removed": removed})
         if isinstance(req, p.ListKeys):
             return p.Reply(e, data=self._list_keys(req))
         if isinstance(req, (p.Info, p.Hello)):
@@ -127,7 +103,7 @@ class Dispatcher:
             "epoch": self.epoch,
             "objects": s.table.count,
             "max_objects": s.table.capacity,
-            "windows": [w.__dict__ for w in self.windows.values()],
+            "ranks": sorted({r for r, _ in s.windows}),
             "capacity": s.capacity(),
             "uptime_s": round(time.time() - self.started, 1),
         }
@@ -145,17 +121,3 @@ class Dispatcher:
             "total": len(keys),
             "next": nxt if nxt < len(keys) else None,
         }
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def ok_count(reply: p.Reply) -> int:
-    return sum(1 for s in reply.status if s == Status.OK)

@@ -42,7 +42,7 @@ def _handler(dispatcher: Dispatcher) -> type[BaseHTTPRequestHandler]:
                         "ready": True,
                         "epoch": info["epoch"],
                         "objects": info["objects"],
-                        "ranks": sorted({w["rank"] for w in info["windows"]}),
+                        "ranks": info["ranks"],
                         "capacity": info["capacity"],
                     }
                 )

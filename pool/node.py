@@ -1,27 +1,33 @@
 """``PoolNode``: the service side of a pool on one node, and ``EmbeddedPool``.
 
 A node owns the directory table (shared memory), the meta service and its dispatcher,
-and, unless ``config.dram`` is 0, a DRAM window of its own as rank 0. The daemon
-(``daemon.py``) serves it over RPC; ``EmbeddedPool`` serves it in-process (the default
-for ``kvfabric demo``: nothing to start), with a thread that expires leases.
+the pool's rendezvous store (a single-node server unless ``config.rendezvous`` names one),
+and its rank in the pool's GVA fabric: rank 0, with a DRAM window of its own unless
+``config.dram`` is 0. Every client joins the same fabric; the node follows its segment
+table (joins, leaves, deaths) into the directory. The daemon (``daemon.py``) serves the
+node over RPC; ``EmbeddedPool`` serves it in-process (nothing to start), with a thread
+that expires leases.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import threading
+from typing import Any
 
 from kvfabric.platform import shm
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.registry import create as create_platform
 from kvfabric.platform.types import Medium
-from kvfabric.pool import protocol as p
 from kvfabric.pool import table as tbl
-from kvfabric.pool.client import PoolClient
+from kvfabric.pool.client import PoolClient, gva_config
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.dispatch import Dispatcher
+from kvfabric.pool.gva.fabric import Fabric
+from kvfabric.pool.gva.rendezvous.server import RendezvousServer
 from kvfabric.pool.meta import MetaService
 from kvfabric.pool.rpc import LocalTransport
 from kvfabric.pool.windows import FixedStride
@@ -30,8 +36,8 @@ log = logging.getLogger("kvfabric.pool")
 
 
 class PoolNode:
-    """See module docstring. ``close()`` releases the table, the window and the platform
-    (if the node created it)."""
+    """See module docstring. ``close()`` leaves the fabric and releases the rendezvous
+    server, the table, the window and the platform (if the node created it)."""
 
     def __init__(
         self, config: PoolConfig | None = None, platform: Platform | None = None, persistent: bool = False
@@ -42,6 +48,9 @@ class PoolNode:
         self.platform = platform or create_platform()
         self.addressing = FixedStride()
         self.window: Buffer | None = None
+        self.rdv: RendezvousServer | None = None
+        self.fabric: Fabric | None = None
+        self._tmpdir: str | None = None
         self.rebuilt = 0
         adopted = False
         if persistent and self.config.dram:
@@ -53,15 +62,19 @@ class PoolNode:
         )
         try:
             self.service = MetaService(self.config, self.table, self.addressing)
+            url = self.config.rendezvous or self._start_rendezvous()
             self.dispatcher = Dispatcher(
                 self.service,
                 self.table.epoch,
-                self.table.seg.name,
-                self.table.seg.nbytes,
-                extra_info={
+                {
+                    "table": self.table.seg.name,
+                    "table_bytes": self.table.seg.nbytes,
                     "name": self.config.name,
                     "platform": self.platform.name,
                     "stride": self.addressing.stride,
+                    "rendezvous": url,
+                    "namespace": f"kvfabric/pool/{self.config.name}",
+                    "transports": self.config.transports,
                 },
             )
             if self.config.dram:
@@ -69,16 +82,12 @@ class PoolNode:
                     self.window = self.platform.alloc(self.config.dram, Medium.DRAM, shareable=True)
                 if self.config.pretouch and not adopted:
                     _pretouch(self.window)
-                self.dispatcher.handle(
-                    p.AddWindow(
-                        "service",
-                        0,
-                        Medium.DRAM.value,
-                        self.config.dram,
-                        self.platform.export_handle(self.window),
-                        os.getpid(),
-                    )
-                )
+            windows: dict[Medium, Any] = {Medium.DRAM: self.window} if self.window is not None else {}
+            self.fabric = Fabric.join(
+                url, self.platform, windows, rank=0, config=gva_config(self.dispatcher.info())
+            )
+            self.fabric.subscribe(lambda change: self.dispatcher.apply_table(change.new))
+            self.dispatcher.apply_table(self.fabric.table)
             if persistent:
                 self.rebuilt = self._adopt_old_tables(rebuild=adopted)
         except BaseException:
@@ -87,6 +96,22 @@ class PoolNode:
 
     def _name(self, what: str) -> str:
         return f"pool-{self.config.name}-{what}"
+
+    def _start_rendezvous(self) -> str:
+        """The pool's single-node rendezvous store: TCP when the pool serves other nodes,
+        else a Unix socket beside the RPC socket (or in a private directory, embedded)."""
+        if self.config.tcp_addr is not None:
+            self.rdv = RendezvousServer(self.config.tcp_addr[0], 0).start()
+            return self.rdv.url
+        if self.persistent:
+            path = self.config.socket + ".rdv"
+            if os.path.exists(path):
+                os.unlink(path)  # the daemon checked that no live daemon owns this pool
+        else:
+            self._tmpdir = tempfile.mkdtemp(prefix="kvfabric-pool-")
+            path = os.path.join(self._tmpdir, "rdv.sock")
+        self.rdv = RendezvousServer(unix_path=path).start()
+        return self.rdv.url
 
     def _adopt_old_tables(self, rebuild: bool) -> int:
         """A restart after a crash: retire the previous tables (readers then fetch the new
@@ -126,20 +151,29 @@ class PoolNode:
             & (s["gva"] + s["size"] <= w.hi)
         )
         keys = [old.key_of(int(i)) for i in live]
-        st = self.service.reregister(
-            keys, s["gva"][live].tolist(), s["size"][live].tolist(), s["gen"][live].tolist()
-        )
+        with self.dispatcher.lock:
+            st = self.service.reregister(
+                keys, s["gva"][live].tolist(), s["size"][live].tolist(), s["gen"][live].tolist()
+            )
         return sum(1 for x in st if x == 0)
 
-    def client(self, **kwargs: object) -> PoolClient:
-        """An in-process client (calls go straight to the dispatcher)."""
-        return PoolClient(LocalTransport(self.dispatcher), self.platform, self.addressing, **kwargs)  # type: ignore[arg-type]
+    def client(self, **kwargs: Any) -> PoolClient:
+        """An in-process client (calls go straight to the dispatcher; it joins the fabric)."""
+        return PoolClient(LocalTransport(self.dispatcher), self.platform, **kwargs)
 
     def close(self) -> None:
-        """Release the window, the table and (if created here) the platform. Idempotent."""
+        """Release everything the node holds. Idempotent."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self.fabric is not None:
+            self.fabric.leave()
+        if self.rdv is not None:
+            self.rdv.close()
+        if self._tmpdir is not None:
+            import shutil
+
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
         if self.window is not None and not self.window.freed:
             self.platform.free(self.window)
             if self.persistent:
@@ -181,8 +215,9 @@ class EmbeddedPool(PoolNode):
             self.dispatcher.tick()
 
     def close(self) -> None:
-        self._stop.set()
-        self._ticker.join(2)
+        if hasattr(self, "_stop"):
+            self._stop.set()
+            self._ticker.join(2)
         super().close()
 
     def __enter__(self) -> EmbeddedPool:

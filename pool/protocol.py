@@ -22,19 +22,6 @@ class Info(msgspec.Struct, tag="info", frozen=True):
     pass
 
 
-class AddWindow(msgspec.Struct, tag="add_window", frozen=True):
-    client: str
-    rank: int
-    medium: str
-    size: int
-    handle: bytes = b""  # export handle, for clients on the same node to map
-    pid: int = 0  # owner process on this node (the service drops the rank when it exits)
-
-
-class DropRank(msgspec.Struct, tag="drop_rank", frozen=True):
-    rank: int
-
-
 class Alloc(msgspec.Struct, tag="alloc", frozen=True):
     client: str
     keys: list[bytes]
@@ -86,19 +73,7 @@ class ListKeys(msgspec.Struct, tag="list_keys", frozen=True):
 
 
 Request = (
-    Hello
-    | Info
-    | AddWindow
-    | DropRank
-    | Alloc
-    | Commit
-    | Lookup
-    | Release
-    | Exists
-    | Remove
-    | RemoveAll
-    | Reregister
-    | ListKeys
+    Hello | Info | Alloc | Commit | Lookup | Release | Exists | Remove | RemoveAll | Reregister | ListKeys
 )
 
 

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvfabric.errors import KeyNotFound, LeaseExpired, RankUnavailable
+from kvfabric.errors import KeyNotFound, LeaseExpired, TransferFailed
 from kvfabric.pool import protocol as p
+from kvfabric.pool.dataplane import require
 from kvfabric.pool.status import Status
 from kvfabric.pool.table import SlotState, ticks_passed
 
@@ -64,17 +65,13 @@ class Reader:
             if i < 0 or state != _READABLE or (expire and ticks_passed(expire)):
                 raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
             _check_size(key, size, nbytes, exact=False)
-            try:
-                src, whost = c.dp.resolve(gva, size)
-            except RankUnavailable:
-                c.refresh()
-                src, whost = c.dp.resolve(gva, size)
-            if host_user and whost:
-                ctypes.memmove(ptr, src, size)
-            else:
-                c.dp.copy(
-                    np.array([ptr], np.uint64), np.array([src], np.uint64), np.array([size], np.uint64), False
-                )
+            loc = c.dp.local(gva, size)
+            if loc is not None and host_user and loc[1]:
+                ctypes.memmove(ptr, loc[0], size)  # mapped here, host memory: a plain copy
+            elif not c.dp.read(
+                np.array([ptr], np.uint64), np.array([gva], np.uint64), np.array([size], np.uint64)
+            ).all():
+                continue  # its rank is gone or the copy failed: look again
             if table.seq_now(i) == seq:
                 table.touch(i)
                 return size
@@ -100,19 +97,11 @@ class Reader:
         raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} kept changing while being read")
 
     def _copy_out(self, gva: int, size: int, ptrs: np.ndarray, sizes: np.ndarray, host_user: bool) -> None:
-        dp = self.c.dp
-        try:
-            src, whost = dp.resolve(gva, size)
-        except RankUnavailable:
-            self.c.refresh()  # a window that joined after we last looked
-            src, whost = dp.resolve(gva, size)
-        if ptrs.size == 1 and host_user and whost:
-            ctypes.memmove(int(ptrs[0]), src, size)  # the common case, without array plumbing
-            return
+        """Scatter the object at ``gva`` into the caller's pieces (``TransferFailed`` if not)."""
         offs = np.cumsum(sizes) - sizes
         n = np.minimum(sizes, np.maximum(np.int64(size) - offs.astype(np.int64), 0).astype(np.uint64))
         keep = n > 0
-        dp.copy(ptrs[keep], np.uint64(src) + offs[keep], n[keep], host_user and whost)
+        require(self.c.dp.read(ptrs[keep], np.uint64(gva) + offs[keep], n[keep]), "pool read")
 
     def get(self, key: bytes) -> bytes:
         out = self.get_or_none(key)
@@ -176,15 +165,10 @@ class Reader:
             Sh = np.ascontiguousarray(S[hit])
             offs = np.cumsum(Sh, axis=1) - Sh
             g = (out[hit, 1][:, None] + offs).reshape(-1)
-            try:
-                src, whost = c.dp.resolve_many(g, Sh.reshape(-1))
-            except RankUnavailable:
-                c.refresh()
-                src, whost = c.dp.resolve_many(g, Sh.reshape(-1))
-            c.dp.copy(
-                np.ascontiguousarray(P[hit]).reshape(-1), src, Sh.reshape(-1), host_user and bool(whost.all())
+            arrived = c.dp.read(np.ascontiguousarray(P[hit]).reshape(-1), g, Sh.reshape(-1))
+            changed = (table.seq_many(idx[hit]) != out[hit, 0]) | ~arrived.reshape(Sh.shape[0], -1).all(
+                axis=1
             )
-            changed = table.seq_many(idx[hit]) != out[hit, 0]
             status[np.flatnonzero(hit)[~changed]] = Status.OK
             table.touch_many(idx[hit][~changed])
             for k in np.flatnonzero(hit)[changed].tolist():  # rare: retry one by one
@@ -193,6 +177,8 @@ class Reader:
                     status[k] = Status.OK
                 except KeyNotFound:
                     status[k] = Status.NOT_FOUND
+                except TransferFailed:
+                    status[k] = Status.TRANSFER_FAILED
         return status
 
     # ------------------------------------------------------------------ remote path

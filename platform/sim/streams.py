@@ -1,8 +1,10 @@
 """Sim streams and events: one worker thread per stream runs its jobs in order.
 
-A job is a callable. A job that raises stores the error as the stream's pending error
-(reported by the next ``synchronize``, and by events recorded after it) and the stream
-keeps going, as a device stream would with later, independent work.
+A job is a callable. A job that raises stores the error as the stream's pending error,
+reported by the next ``synchronize`` and by the next event recorded after it (an event
+reports the failures since the stream's previous event, so a later event on a healthy
+stream completes cleanly); the stream keeps going, as a device stream would with later,
+independent work.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class SimStreamWorker:
         self._submitted = 0
         self._completed = 0
         self._pending_error: BaseException | None = None
+        self._recent_error: BaseException | None = None  # since the last event record
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -79,6 +82,8 @@ class SimStreamWorker:
                 with self._cond:
                     if self._pending_error is None:
                         self._pending_error = e
+                    if self._recent_error is None:
+                        self._recent_error = e
             with self._cond:
                 self._completed += 1
                 self._cond.notify_all()
@@ -101,11 +106,17 @@ class SimStreamWorker:
                     f"sim stream still has {target - self._completed} job(s) after {timeout} s"
                 )
             err, self._pending_error = self._pending_error, None
+            self._recent_error = None
+            return err
+
+    def _take_recent(self) -> BaseException | None:
+        with self._cond:
+            err, self._recent_error = self._recent_error, None
             return err
 
     def record(self, event: SimEventState) -> None:
         ticket = event.issue()
-        self.submit(lambda: event.complete(ticket, self.pending_error))
+        self.submit(lambda: event.complete(ticket, self._take_recent()))
 
     def wait_event(self, event: SimEventState) -> None:
         with event.cond:

@@ -178,7 +178,8 @@ class Fabric:
         period = max(min(1.0, cfg.unmap_grace / 2 or 1.0), 0.05)
         self._monitor = Monitor(self, self.store, ns, period)
         self._monitor.start()
-        log.info("rank %d joined %r on %s: %s", self.rank, ns, self.node, self.table.describe())
+        log.info("rank %d joined %r on %s (segment table v%d)", self.rank, ns, self.node, self.table.version)
+        log.debug("%s", self.table.describe())
 
     def leave(self) -> None:
         """Leave the pool: retire this rank's windows, unmap the others'. Idempotent."""

@@ -123,4 +123,3 @@ class View:
             return raw
         e = self.ends[key]
         return offsets + np.uint64(e.ptr)
-

@@ -33,13 +33,15 @@ class FakeRuntimeError(RuntimeError):
 class FakeStream:
     queue: deque = field(default_factory=deque)
     destroyed: bool = False
-    error: FakeRuntimeError | None = None
+    error: FakeRuntimeError | None = None  # first failure since the last synchronize
+    recent: FakeRuntimeError | None = None  # first failure since the last event marker
 
 
 @dataclass
 class FakeEvent:
     stream: FakeStream | None = None
     ticket: object | None = None
+    error: FakeRuntimeError | None = None
 
 
 class HostRuntime:
@@ -170,12 +172,17 @@ class HostRuntime:
         """Run queued ops in order (up to the marker ``until``); keep the first error."""
         while stream.queue:
             op = stream.queue.popleft()
+            self._run(stream, op)
             if op is until:
                 break
-            try:
-                op()
-            except FakeRuntimeError as e:
-                stream.error = stream.error or e
+
+    @staticmethod
+    def _run(stream: FakeStream, op: Any) -> None:
+        try:
+            op()
+        except FakeRuntimeError as e:
+            stream.error = stream.error or e
+            stream.recent = stream.recent or e
 
     def stream_create(self) -> FakeStream:
         return FakeStream()
@@ -187,17 +194,13 @@ class HostRuntime:
 
     def stream_synchronize(self, stream: FakeStream) -> None:
         self._drain(stream)
-        err, stream.error = stream.error, None
+        err, stream.error, stream.recent = stream.error, None, None
         if err is not None:
             raise err
 
     def stream_query(self, stream: FakeStream) -> bool:
         if stream.queue:  # make progress one op per poll, like a device would
-            op = stream.queue.popleft()
-            try:
-                op()
-            except FakeRuntimeError as e:
-                stream.error = stream.error or e
+            self._run(stream, stream.queue.popleft())
         return not stream.queue
 
     def stream_wait_event(self, stream: FakeStream, event: FakeEvent) -> None:
@@ -218,16 +221,18 @@ class HostRuntime:
         event.stream = None
 
     def event_record(self, event: FakeEvent, stream: FakeStream) -> None:
-        ticket: Any = lambda: None  # noqa: E731 - a unique marker that is also a no-op job
+        def ticket() -> None:  # a unique marker job: the event reports failures since the last one
+            event.error, stream.recent = stream.recent, None
+
         stream.queue.append(ticket)
-        event.stream, event.ticket = stream, ticket
+        event.stream, event.ticket, event.error = stream, ticket, None
 
     def event_synchronize(self, event: FakeEvent) -> None:
         if event.stream is not None:
             if event.ticket in event.stream.queue:
                 self._drain(event.stream, until=event.ticket)
-            if event.stream.error is not None:
-                raise event.stream.error
+            if event.error is not None:
+                raise event.error
 
     def event_query(self, event: FakeEvent) -> bool:
         return event.stream is None or event.ticket not in event.stream.queue

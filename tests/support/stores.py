@@ -114,16 +114,16 @@ def stall_pool_copies(store: Store, marker: str) -> None:
     """Make the pool store's next copy into the pool write half its pieces, drop
     ``marker`` and hang (the test then kills the process mid-dump)."""
     dp = store.client.dp  # type: ignore[attr-defined]
-    real = dp.copy
+    real = dp.write
 
-    def half_then_hang(dst, src, sizes, host):
-        k = max(1, len(dst) // 2)
-        real(dst[:k], src[:k], sizes[:k], host)
+    def half_then_hang(gvas, srcs, sizes):
+        k = max(1, len(gvas) // 2)
+        real(gvas[:k], srcs[:k], sizes[:k])
         Path(marker).write_text("stalled")
         while True:
             time.sleep(1)
 
-    dp.copy = half_then_hang
+    dp.write = half_then_hang
 
 
 def posix_tier(store: Store) -> Store | None:
