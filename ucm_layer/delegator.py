@@ -76,7 +76,9 @@ class _Op:
     def done(self) -> bool:
         """Whether every store task of this op has finished (never blocks)."""
         d = self.delegator
-        return all(c.status is not None or (c.task is not None and d.store.check(c.task)) for c in self.chunks)
+        return all(
+            c.status is not None or (c.task is not None and d.store.check(c.task)) for c in self.chunks
+        )
 
 
 class DumpOp(_Op):
@@ -148,7 +150,9 @@ class Delegator:
     def _shard(self, layer: int | None) -> int:
         if self.layerwise != (layer is not None):
             raise ValueError(
-                "this Delegator is layer-wise: pass layer=" if self.layerwise else "layer given to a whole-block Delegator"
+                "this Delegator is layer-wise: pass layer="
+                if self.layerwise
+                else "layer given to a whole-block Delegator"
             )
         if layer is not None and not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range (0..{self.layout.num_layers - 1})")
@@ -160,7 +164,9 @@ class Delegator:
         base = np.uint64(self._staging.ptr + off)
         return (base + slots.astype(np.uint64) * np.uint64(self.slot_bytes)).reshape(-1, 1)
 
-    def _copy_batch(self, blocks: np.ndarray, slots: np.ndarray, layer: int | None, to_slots: bool) -> CopyBatch:
+    def _copy_batch(
+        self, blocks: np.ndarray, slots: np.ndarray, layer: int | None, to_slots: bool
+    ) -> CopyBatch:
         cols = self._cols(layer)
         pieces = self.layout.addrs(blocks)[:, cols]
         staged = (
@@ -215,7 +221,9 @@ class Delegator:
                 assert self._stream is not None
                 if after is not None:
                     self._stream.wait_event(after)
-                self.platform.batch_copy(self._copy_batch(blocks[rows], chunk.slots, layer, True), self._stream)
+                self.platform.batch_copy(
+                    self._copy_batch(blocks[rows], chunk.slots, layer, True), self._stream
+                )
                 chunk.gathered = self.platform.event()
                 chunk.gathered.record(self._stream)
                 chunk.task = self.store.dump(

@@ -137,9 +137,7 @@ def _block_dim(t: Any, num_blocks: int, block_stride: int | None) -> tuple[int, 
     )
 
 
-def _tensor_pieces(
-    t: Any, num_blocks: int, block_stride: int | None
-) -> tuple[np.ndarray, int, int, str]:
+def _tensor_pieces(t: Any, num_blocks: int, block_stride: int | None) -> tuple[np.ndarray, int, int, str]:
     """``(offsets in bytes from data_ptr, piece bytes, block stride bytes, description)``."""
     d, k = _block_dim(t, num_blocks, block_stride)
     shape, strides, esz = list(t.shape), list(t.stride()), int(t.element_size())

@@ -33,7 +33,11 @@ def _setup(plat, caches, enabled=True, layerwise=False, staging=4):
         plat.wrap(t, Medium.HBM)
     lay = layout_from_tensors(caches, NB)
     store = MemStore(Delegator.store_layout(lay, enabled, layerwise))
-    return lay, store, Delegator(plat, lay, store, enabled=enabled, layerwise=layerwise, staging_blocks=staging)
+    return (
+        lay,
+        store,
+        Delegator(plat, lay, store, enabled=enabled, layerwise=layerwise, staging_blocks=staging),
+    )
 
 
 def _ids(n: int, salt: int = 0) -> np.ndarray:
@@ -93,7 +97,7 @@ def test_more_blocks_than_staging_slots_reuses_slots(plat):
 
 def test_layerwise_shards_one_per_layer(plat):
     src, dst = _cache(4), {k: torch.zeros_like(v) for k, v in _cache(4).items()}
-    lay, store, d = _setup(plat, src, layerwise=True)
+    _, store, d = _setup(plat, src, layerwise=True)
     assert store.layout.num_shards == L
     ids = _ids(4, 9)
     ops = [d.dump(ids, [0, 1, 2, 3], layer=layer) for layer in range(L)]
