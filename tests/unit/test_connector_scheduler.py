@@ -56,7 +56,7 @@ def side():
 
 
 def test_first_request_dumps_every_full_block_it_computes(side):
-    s, store = side
+    s, _ = side
     r = _req("a1", 18)  # 4 full blocks + 2 tokens
     assert s.num_new_matched_tokens(r, 0) == 0
     s.after_alloc(r, [10, 11, 12, 13, 14], 0)
