@@ -206,7 +206,7 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         if self.worker is not None:
-            self.worker.save_layer(layer_name)
+            self.worker.save_layer(layer_name, self._plan())
 
     def wait_for_save(self) -> None:
         if self.worker is not None:
@@ -236,6 +236,7 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         return None if KVFabricStats is None else KVFabricStats(data)
 
     def shutdown(self) -> None:
+        _instances.discard(self)
         if self.worker is not None:
             store = self.worker.store
             self.worker.close()

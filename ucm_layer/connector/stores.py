@@ -70,7 +70,7 @@ def build(cfg: ConnectorConfig, platform: Platform, layout: StoreLayout) -> Stor
     """A new store pipeline for ``cfg`` (not shared)."""
     from kvfabric.ucm_layer.store import registry
 
-    return registry.create(store_config(cfg), platform=platform, layout=layout)
+    return registry.create(config=store_config(cfg), platform=platform, layout=layout)
 
 
 def acquire(

@@ -83,7 +83,6 @@ class WorkerSide:
         self.delegator: Delegator | None = None
         self._wrapped: list[Any] = []
         self._layer_index: dict[str, int] = {}
-        self._plan: StepPlan | None = None
         self._layer_loads: dict[int, tuple[LoadOp, np.ndarray, float]] = {}
         self._layer_dump_rows: tuple[np.ndarray, np.ndarray, list[Transfer]] | None = None
         self._dumps: dict[str, list[DumpOp]] = {}
@@ -147,7 +146,6 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ loads
     def start_load(self, plan: StepPlan) -> None:
-        self._plan = plan
         self._layer_loads.clear()
         if not plan.loads or self.delegator is None or not self.can_load:
             return
@@ -184,9 +182,13 @@ class WorkerSide:
             self._load_failed(blocks, f"{type(e).__name__}: {e}")
             return
         assert self.delegator is not None
-        self._load_done(blocks, status, time.perf_counter() - t0, self.delegator.layout.layer_bytes(layer))
+        self._load_done(
+            blocks, status, time.perf_counter() - t0, self.delegator.layout.layer_bytes(layer), layer
+        )
 
-    def _load_done(self, blocks: np.ndarray, status: np.ndarray, secs: float, block_bytes: int) -> None:
+    def _load_done(
+        self, blocks: np.ndarray, status: np.ndarray, secs: float, block_bytes: int, layer: int | None = None
+    ) -> None:
         ok = status == BlockStatus.OK
         bad = blocks[~ok]
         if bad.size:
@@ -196,7 +198,9 @@ class WorkerSide:
             log.warning("kvfabric: loads from the store succeed again")
             self._load_trouble = False
         n = int(ok.sum())
-        self.stats.add(loaded_blocks=n, loaded_bytes=n * block_bytes, load_s=secs)
+        if layer in (None, 0):  # a block counts once, however many layers it arrives in
+            self.stats.add(loaded_blocks=n)
+        self.stats.add(loaded_bytes=n * block_bytes, load_s=secs)
 
     def _load_failed(self, blocks: np.ndarray, why: str) -> None:
         self._failed.update(int(b) for b in blocks)
@@ -214,21 +218,20 @@ class WorkerSide:
         return out
 
     # ------------------------------------------------------------------ saves
-    def save_layer(self, layer_name: str) -> None:
-        if not self.cfg.layerwise or self._plan is None or not self._plan.dumps or not self.can_save:
+    def save_layer(self, layer_name: str, plan: StepPlan | None) -> None:
+        if not self.cfg.layerwise or plan is None or not plan.dumps or not self.can_save:
             return
         layer = self._layer_index.get(layer_name)
         if layer is None or self.delegator is None:
             return
-        if self._layer_dump_rows is None:
-            ids, blocks = self._join(self._plan.dumps)
-            self._layer_dump_rows = (self._tag(ids), blocks, self._plan.dumps)
+        if self._layer_dump_rows is None or self._layer_dump_rows[2] is not plan.dumps:
+            ids, blocks = self._join(plan.dumps)
+            self._layer_dump_rows = (self._tag(ids), blocks, plan.dumps)
         ids, blocks, items = self._layer_dump_rows
         self._start_dumps(items, ids, blocks, layer)
 
     def wait_for_save(self, plan: StepPlan | None) -> None:
         self._layer_dump_rows = None
-        self._plan = None
         if plan is None:
             return
         if plan.dumps and not self.cfg.layerwise and self.can_save and self.delegator is not None:
@@ -259,7 +262,8 @@ class WorkerSide:
 
     def _reap(self, block: bool = False) -> None:
         """Collect the statuses of finished dump ops (all of them when ``block``)."""
-        assert self.delegator is not None or not self._dumps
+        if self.delegator is None:
+            return
         seen: set[int] = set()
         for ops in self._dumps.values():
             for op in ops:
@@ -278,7 +282,9 @@ class WorkerSide:
                 if op.layer is not None:
                     per_block = self.delegator.layout.layer_bytes(op.layer)  # type: ignore[union-attr]
                 secs = time.perf_counter() - getattr(op, "started", time.perf_counter())
-                self.stats.add(saved_blocks=good, saved_bytes=good * per_block, save_s=secs)
+                if op.layer in (None, 0):
+                    self.stats.add(saved_blocks=good)
+                self.stats.add(saved_bytes=good * per_block, save_s=secs)
 
     def preempted(self, req_ids: set[str]) -> None:
         for r in req_ids:
