@@ -2,7 +2,8 @@
 
 Layout: ``<dir>/<xyz>/<32 hex digits of the id>``, where ``<dir>`` is one of the backend
 directories (chosen by the id's first two bytes) and ``<xyz>`` the id's first three hex
-digits (4096 prefix directories per backend directory). A block file holds its shards
+digits (up to 4096 prefix directories per backend directory, each made by the first
+write that needs it). A block file holds its shards
 at fixed offsets: shard ``k`` at ``k * shard_bytes``; the file's size is exactly
 ``num_shards * shard_bytes``.
 
@@ -97,10 +98,7 @@ class BlockFiles:
     def __init__(self, dirs: Sequence[str]) -> None:
         self.dirs = tuple(os.path.join(d, "") for d in dirs)  # with a trailing separator
         for d in self.dirs:
-            os.makedirs(d, exist_ok=True)
-            if not os.path.isdir(os.path.join(d, f"{PREFIX_DIRS - 1:03x}")):
-                for i in range(PREFIX_DIRS):
-                    os.makedirs(os.path.join(d, f"{i:03x}"), exist_ok=True)
+            os.makedirs(d, exist_ok=True)  # prefix directories are made on first write
 
     def dir_index(self, ids: np.ndarray) -> np.ndarray:
         if len(self.dirs) == 1:
@@ -134,7 +132,11 @@ def write_single(io: FileIO, final: str, view: memoryview, direct: bool, fsync: 
     """Write a one-shard block to a fresh temporary file; return its name (not yet visible).
     On failure the temporary file is removed and the error raised."""
     tmp = BlockFiles.tmp_name(final)
-    fd = io.open_new(tmp, direct)
+    try:
+        fd = io.open_new(tmp, direct)
+    except FileNotFoundError:  # first block of this prefix directory
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        fd = io.open_new(tmp, direct)
     try:
         io.write_from(fd, view, 0)
         if fsync:
@@ -172,7 +174,11 @@ class PartWriter:
         for _ in range(100):
             if os.access(self.final, os.F_OK):
                 return False
-            fd = self.io.open_part(self.part)
+            try:
+                fd = self.io.open_part(self.part)
+            except FileNotFoundError:  # first block of this prefix directory
+                os.makedirs(os.path.dirname(self.part), exist_ok=True)
+                fd = self.io.open_part(self.part)
             fcntl.flock(fd, fcntl.LOCK_SH)
             if _same_file(fd, self.part):
                 self.fd = fd
