@@ -9,6 +9,7 @@ from __future__ import annotations
 
 BENCHMARKS: dict[str, str] = {
     "copy": "kvfabric.bench.copy:run",
+    "e2e": "kvfabric.bench.e2e:run",
 }
 
 __all__ = ["BENCHMARKS"]

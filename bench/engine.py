@@ -77,6 +77,7 @@ class Engine:
 
     llm: Any
     model: str
+    last_tokens: list[int] | None = None
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8) -> list[list[int]]:
         from vllm import SamplingParams
@@ -86,9 +87,10 @@ class Engine:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def ttft(self, prompt: Sequence[int]) -> float:
-        """Seconds to the first generated token of one request (prefill + one sample)."""
+        """Seconds to the first generated token of one request (prefill + one sample);
+        the token is kept in ``last_tokens``."""
         t0 = time.perf_counter()
-        self.generate([prompt], max_tokens=1)
+        self.last_tokens = self.generate([prompt], max_tokens=1)[0]
         return time.perf_counter() - t0
 
     def connectors(self) -> list[Any]:
@@ -139,6 +141,8 @@ def make_engine(
 ) -> Engine:
     """Start an engine for ``model`` with ``transfer`` (a kv_transfer_config dict, or None)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays ours
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     problem = vllm_problem()
     if problem:
         raise RuntimeError(problem)

@@ -128,6 +128,10 @@ class Delegator:
         if self.enabled:
             self.slot_bytes = layout.block_bytes
             self._staging = platform.alloc(self.slot_bytes * staging_blocks, staging_medium)
+            try:  # fault the staging pages in now, not on the first transfers
+                self._staging.numpy()[:] = 0
+            except (ValueError, TypeError, NotImplementedError, RuntimeError):
+                pass  # device memory: nothing to pre-touch from the host
             self._free = list(range(staging_blocks - 1, -1, -1))
             self._stream = platform.stream()
         self.staging_blocks = staging_blocks
