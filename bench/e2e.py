@@ -2,6 +2,8 @@
 
 Two parts, measured in one run:
 
+* ``gather`` rows: the Delegator's gather of 64 blocks (one batched copy) next to one
+  copy call per piece (what a connector pays that hands a store every piece on its own).
 * ``delegator`` rows: dumps of 64 blocks of a paged KV cache (several layouts: the CPU
   backend's 48 KiB whole-block pages of SmolLM2, a K/V-split layout, many 4 KiB pieces)
   into a store, with the Delegator on (gather into staging slots, one piece per block)
@@ -56,6 +58,52 @@ def _median_interleaved(fns: dict[str, Callable[[], float]], rounds: int) -> dic
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def _gather_row(plat: Any, lay: Any, name: str, rounds: int) -> dict[str, Any]:
+    """The Delegator's gather (one batched copy) next to a copy call per piece, the path
+    of a connector that hands a store each piece as its own transfer."""
+    from kvfabric.platform.types import CopyBatch, Medium
+
+    blocks = np.arange(DUMP_BLOCKS)
+    src = lay.addrs(blocks)
+    dst = plat.alloc(DUMP_BLOCKS * lay.block_bytes, Medium.HBM)
+    dst.numpy()[:] = 0
+    off = np.concatenate([[0], np.cumsum(lay.size)[:-1]]).astype(np.uint64)
+    staged = (
+        np.uint64(dst.ptr) + blocks.astype(np.uint64)[:, None] * np.uint64(lay.block_bytes) + off[None, :]
+    )
+    sizes = np.broadcast_to(lay.size[None, :], src.shape).reshape(-1)
+    batch = CopyBatch(staged.reshape(-1), src.reshape(-1), sizes)
+    pairs = [
+        (plat.find(int(d), int(n)), plat.find(int(s_), int(n)), int(n))
+        for d, s_, n in zip(batch.dst, batch.src, batch.nbytes)
+    ]
+
+    def batched() -> float:
+        t0 = time.perf_counter()
+        plat.batch_copy(batch)
+        return time.perf_counter() - t0
+
+    def per_piece() -> float:
+        t0 = time.perf_counter()
+        for d, s_, n in pairs:
+            plat.copy(d, s_, n)
+        return time.perf_counter() - t0
+
+    med = _median_interleaved({"batched": batched, "per_piece": per_piece}, rounds)
+    plat.free(dst)
+    nbytes = DUMP_BLOCKS * lay.block_bytes
+    return {
+        "case": "gather",
+        "layout": name,
+        "pieces_per_block": lay.pieces,
+        "nbytes": nbytes,
+        "batched_gbps": round(nbytes / med["batched"] / 1e9, 3),
+        "per_piece_gbps": round(nbytes / med["per_piece"] / 1e9, 3),
+        "ratio_batched_over_per_piece": round(med["per_piece"] / med["batched"], 3),
+        "rounds": rounds,
+    }
+
+
 def _delegator_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
     import torch
 
@@ -76,6 +124,7 @@ def _delegator_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
             for t in caches.values():
                 plat.wrap(t, Medium.HBM)
             lay = layout_from_tensors(caches, nb)
+            yield _gather_row(plat, lay, name, rounds)
             for spec in stores:
                 tmp = tempfile.mkdtemp(prefix="kvf-bench-")
                 built = {}

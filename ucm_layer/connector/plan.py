@@ -19,7 +19,8 @@ class Transfer:
     req_id: str
     ids: np.ndarray
     blocks: np.ndarray
-    requested_tokens: int = 0  # for spans: the prompt tokens the lookup covered
+    requested_tokens: int = 0  # for spans: the request's tokens when it was planned
+    block_size: int = 0  # tokens per block (for spans)
 
     def __post_init__(self) -> None:
         if self.ids.ndim != 2 or self.ids.shape[0] != self.blocks.size:

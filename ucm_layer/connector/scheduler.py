@@ -157,7 +157,7 @@ class SchedulerSide:
         blocks = np.asarray(st.block_ids[local : local + n], np.int64)
         if blocks.size != n:
             raise ValueError(f"request {view.req_id}: {blocks.size} blocks allocated for {n} loaded blocks")
-        st.load = Transfer(view.req_id, ids, blocks, requested_tokens=view.num_tokens)
+        st.load = Transfer(view.req_id, ids, blocks, view.num_tokens, bs)
         st.stored = max(st.stored, local + n)
         self._planned_loads.append(st.load)
 
@@ -205,7 +205,13 @@ class SchedulerSide:
             return
         rows = slice(st.stored, full)
         plan.dumps.append(
-            Transfer(st.view.req_id, ids[rows], np.asarray(st.block_ids[rows], np.int64), st.view.num_tokens)
+            Transfer(
+                st.view.req_id,
+                ids[rows],
+                np.asarray(st.block_ids[rows], np.int64),
+                st.view.num_tokens,
+                self.block_size,
+            )
         )
         st.stored = full
         st.dumped_any = True

@@ -1,8 +1,9 @@
 """OpenTelemetry spans per request: ``kvfabric.lookup``, ``kvfabric.load``, ``kvfabric.dump``.
 
-Spans carry ``requested_tokens``, ``hit_tokens`` and ``hit_rate`` (lookups) or
-``blocks`` and ``bytes`` (transfers). They are exported only when an OTLP endpoint is
-configured (``otlp_endpoint`` in the connector config, or
+Spans carry ``requested_tokens``, ``hit_tokens`` and ``hit_rate``; load and dump spans
+also ``blocks`` and ``bytes`` (one span per request: a batched transfer of several
+requests gives each of them a span over the batch's time). They are exported only when
+an OTLP endpoint is configured (``otlp_endpoint`` in the connector config, or
 ``OTEL_EXPORTER_OTLP_ENDPOINT``) and the ``otel`` extra is installed; otherwise every
 call is a no-op costing one attribute check. The exporter is set up once per process.
 """
@@ -72,6 +73,15 @@ class Tracer:
     @property
     def enabled(self) -> bool:
         return self._tracer is not None
+
+    def record(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
+        """A finished span from ``start_ns`` to ``end_ns`` (``time.time_ns`` clock)."""
+        if self._tracer is None:
+            return
+        s = self._tracer.start_span(name, start_time=start_ns)
+        for k, v in attrs.items():
+            s.set_attribute(k, v)
+        s.end(end_time=end_ns)
 
     @contextlib.contextmanager
     def span(self, name: str, **attrs: Any) -> Iterator[_NoSpan | _Span]:

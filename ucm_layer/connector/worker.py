@@ -161,14 +161,14 @@ class WorkerSide:
                     return
                 self._layer_loads[layer] = (op, blocks, t0)
             return
+        start_ns = time.time_ns()
         try:
-            with self.tracer.span("kvfabric.load", blocks=int(blocks.size)) as span:
-                status = self.delegator.load(ids, blocks).wait(self.cfg.load_timeout_s)
-                span.set(bytes=int((status == 0).sum()) * self.delegator.layout.block_bytes)
+            status = self.delegator.load(ids, blocks).wait(self.cfg.load_timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
             self._load_failed(blocks, f"{type(e).__name__}: {e}")
             return
         self._load_done(blocks, status, time.perf_counter() - t0, self.delegator.layout.block_bytes)
+        self._spans("kvfabric.load", plan.loads, status, start_ns)
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -185,6 +185,28 @@ class WorkerSide:
         self._load_done(
             blocks, status, time.perf_counter() - t0, self.delegator.layout.layer_bytes(layer), layer
         )
+
+    def _spans(self, name: str, items: list[Transfer], status: np.ndarray | None, start_ns: int) -> None:
+        """One span per request of a batched transfer (no-op without an endpoint)."""
+        if not self.tracer.enabled or self.delegator is None:
+            return
+        end_ns, row = time.time_ns(), 0
+        for t in items:
+            n = int(t.blocks.size)
+            ok = n if status is None else int((status[row : row + n] == BlockStatus.OK).sum())
+            row += n
+            hit = ok * t.block_size
+            self.tracer.record(
+                name,
+                start_ns,
+                end_ns,
+                req_id=t.req_id,
+                blocks=ok,
+                bytes=ok * self.delegator.layout.block_bytes,
+                requested_tokens=t.requested_tokens,
+                hit_tokens=hit,
+                hit_rate=hit / t.requested_tokens if t.requested_tokens else 0.0,
+            )
 
     def _load_done(
         self, blocks: np.ndarray, status: np.ndarray, secs: float, block_bytes: int, layer: int | None = None
@@ -245,6 +267,8 @@ class WorkerSide:
         self, items: list[Transfer], ids: np.ndarray, blocks: np.ndarray, layer: int | None
     ) -> None:
         assert self.delegator is not None
+        if layer in (None, 0):
+            self._spans("kvfabric.dump", items, None, time.time_ns())
         try:
             op = self.delegator.dump(ids, blocks, after=self._compute_done(), layer=layer)
         except Exception as e:  # noqa: BLE001 - a failed dump is a future miss
