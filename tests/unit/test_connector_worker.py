@@ -112,3 +112,35 @@ def test_register_twice_is_an_error(plat):
     with pytest.raises(ValueError, match="already"):
         w.register(_caches(5), NB)
     w.close()
+
+
+def test_one_load_span_per_request(plat):
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    export = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from kvfabric.ucm_layer.connector.tracing import Tracer
+
+    exporter = export.InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stores: dict = {}
+    w = _worker(plat, stores)
+    w.tracer = Tracer(None, tracer=provider.get_tracer("t"))
+    w.register(_caches(6), NB)
+    ids = _ids(3, 11)
+    w.wait_for_save(StepPlan(dumps=[Transfer("a", ids[:2], np.array([0, 1]), 80, 8)]))
+    w._reap(block=True)
+    w.start_load(
+        StepPlan(
+            loads=[
+                Transfer("a", ids[:2], np.array([4, 5]), 80, 8),
+                Transfer("b", ids[2:], np.array([6]), 40, 8),  # never stored: a miss
+            ]
+        )
+    )
+    loads = {s.attributes["req_id"]: s for s in exporter.get_finished_spans() if s.name == "kvfabric.load"}
+    assert loads["a"].attributes["hit_tokens"] == 16 and loads["a"].attributes["hit_rate"] == 0.2
+    assert loads["b"].attributes["blocks"] == 0
+    assert [s.name for s in exporter.get_finished_spans()].count("kvfabric.dump") == 1
+    w.close()
