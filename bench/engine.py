@@ -1,11 +1,12 @@
 """A vLLM engine on CPU with or without a KV connector, for tests, the demo and benchmarks.
 
-One process, one engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before vLLM is
-imported), eager mode, float32, 32-token blocks, vLLM's own prefix cache off (so every
-reuse of a prefix goes through the connector), a KV cache of ``kv_bytes``. Prompts are
-token-id lists; sampling is greedy. :func:`vllm_problem` says why vLLM cannot run here
-(not installed; or torchvision/torchaudio/torchcodec wheels built for another torch,
-which break transformers' model imports) and how to fix it, or None.
+One engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before vLLM is
+imported; ``in_process=False`` keeps vLLM's own engine-core process), eager mode,
+float32, 32-token blocks, vLLM's own prefix cache off (so every reuse of a prefix goes
+through the connector), a KV cache of ``kv_bytes``. Prompts are token-id lists;
+sampling is greedy. :func:`vllm_problem` says why vLLM cannot run here (not installed;
+or torchvision/torchaudio/torchcodec wheels built for another torch, which break
+transformers' model imports) and how to fix it, or None.
 """
 
 from __future__ import annotations
@@ -138,9 +139,15 @@ def make_engine(
     kv_bytes: int = 256 << 20,
     max_model_len: int = 8192,
     tokenizer: bool = False,
+    in_process: bool = True,
 ) -> Engine:
-    """Start an engine for ``model`` with ``transfer`` (a kv_transfer_config dict, or None)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    """Start an engine for ``model`` with ``transfer`` (a kv_transfer_config dict, or None).
+
+    ``in_process=False`` keeps vLLM's default: the engine core (scheduler and worker, so
+    the connector) runs in a process of its own, as under ``vllm serve``; the connector
+    objects are then out of reach (``worker()`` is None, ``flush`` does nothing, and the
+    engine's shutdown finishes the dumps in flight)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays ours
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     problem = vllm_problem()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -90,16 +89,17 @@ def test_smollm2_same_prompt_twice(smol_model, tmp_path):
         eng.close()
 
 
+# The first engine runs as `vllm serve` would: vLLM's engine core in a process of its
+# own (so the connector is loaded there by module path); its shutdown finishes the dumps.
 CHILD = textwrap.dedent(
     """
     import json, sys
     from kvfabric.bench.engine import kvfabric_transfer_config, make_engine
     model, store, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    eng = make_engine(model, kvfabric_transfer_config("posix", store), kv_bytes=64 << 20)
+    eng = make_engine(model, kvfabric_transfer_config("posix", store), kv_bytes=64 << 20, in_process=False)
     out = eng.generate([prompt], 12)
-    eng.flush()
-    print("KVF-RESULT " + json.dumps({"tokens": out, "saved": eng.worker().stats.totals["saved_blocks"]}))
     eng.close()
+    print("KVF-RESULT " + json.dumps({"tokens": out}))
     """
 )
 
@@ -107,18 +107,16 @@ CHILD = textwrap.dedent(
 def test_second_engine_process_gets_the_first_ones_prefix(tiny_model, tmp_path):
     store = tmp_path / "shared"
     prompt = _prompt(2, 512)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     out = subprocess.run(
         [sys.executable, "-c", CHILD, tiny_model, str(store), json.dumps(prompt)],
         capture_output=True,
         text=True,
         timeout=600,
-        env=env,
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("KVF-RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     child = json.loads(lines[-1].split(" ", 1)[1])
-    assert child["saved"] >= (PROMPT_LEN - 1) // BLOCK_SIZE
+    assert len(_block_files(store)) >= (PROMPT_LEN - 1) // BLOCK_SIZE
     eng = make_engine(tiny_model, kvfabric_transfer_config("posix", store), kv_bytes=64 << 20)
     try:
         mine = eng.generate([prompt], 12)
