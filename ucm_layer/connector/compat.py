@@ -20,7 +20,7 @@ when vLLM asks for the connector class.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import vllm
@@ -174,7 +174,3 @@ def tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except (ImportError, AssertionError, AttributeError, RuntimeError):
         return 0
-
-
-def layer_names_in_order(kv_caches: dict[str, Any]) -> Iterable[str]:
-    return list(kv_caches)

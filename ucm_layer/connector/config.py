@@ -14,7 +14,8 @@ given inline override the file's):
 ``delegator``          gather a block's pieces into one transfer (default true)
 ``staging_blocks``     Delegator staging slots, in blocks (default 128)
 ``layerwise``          load and dump layer by layer (default false: whole requests)
-``sparse``             enable the sparse-attention hooks (default false)
+``sparse``             enable the sparse-attention hooks (default false; reserved until the
+                       sparse module lands)
 ``load_timeout_s``     a load not finished by then is a failed load (default 60)
 ``otlp_endpoint``      OpenTelemetry collector URL; spans are exported only when set
                        (``OTEL_EXPORTER_OTLP_ENDPOINT`` also counts)
