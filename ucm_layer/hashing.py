@@ -252,8 +252,10 @@ class BlockHasher:
                 h = base.copy()
                 h.update(prev)
                 h.update(view[i * step : (i + 1) * step])
-                if extra_keys is not None and extra_keys[i]:
-                    h.update(encode_key(extra_keys[i]))
+                if extra_keys is not None:
+                    ek = extra_keys[i]
+                    if ek is not None and not (isinstance(ek, (tuple, list)) and not ek):
+                        h.update(encode_key(ek))
                 prev = h.digest()[:HASH_BYTES] + _ZERO_TAIL
                 out.append(prev)
         except Exception as e:  # noqa: BLE001 - a hashing error is a miss

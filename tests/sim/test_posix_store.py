@@ -273,6 +273,18 @@ def test_read_errors_and_foreign_files_are_failures(tmp_path, plat):
     s.close()
 
 
+def release_after_cancel(task, slow):
+    """Let the stalled reads go only once ``task`` has been cancelled (by a timeout)."""
+
+    def run():
+        while task.cancelled is None:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        slow.release.set()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 def test_load_timeout_reading_straight_into_host_memory(tmp_path, plat):
     """Reading into contiguous host memory is itself the access to the caller's memory: a
     timeout waits for the read already running (block 0), and no later one starts."""
@@ -284,7 +296,7 @@ def test_load_timeout_reading_straight_into_host_memory(tmp_path, plat):
     dst = Blocks(plat, LAYOUT, 4, Medium.DRAM, contiguous=True)
     t = s.load(ids, 0, dst.addrs)
     slow.started.wait(10)
-    threading.Timer(0.2, slow.release.set).start()
+    release_after_cancel(t, slow)
     st = s.wait(t, timeout=0.02)
     assert st.tolist() == [OK, TIMEOUT, TIMEOUT, TIMEOUT]
     time.sleep(0.3)
@@ -302,7 +314,7 @@ def test_load_timeout_on_the_bounce_path(tmp_path, plat):
     dst = Blocks(plat, LAYOUT, 4)
     t = s.load(ids, 0, dst.addrs)
     slow.started.wait(10)
-    threading.Timer(0.1, slow.release.set).start()
+    release_after_cancel(t, slow)
     assert (s.wait(t, timeout=0.02) == TIMEOUT).all()
     time.sleep(0.4)  # the reads finished meanwhile; their bytes stayed in the bounce area
     assert all(dst.untouched(i) for i in range(4))

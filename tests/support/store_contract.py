@@ -1,28 +1,24 @@
-"""The store conformance suite. Tier test files import * from here and provide the
-``store_spec`` fixture (a store or pipeline spec from ``stores.STORE_SPECS``)."""
+"""The store conformance suite. Tier test files import * from here and provide the ``spec``
+fixture (a platform spec understood by ``platforms.build``) and the ``store_spec`` fixture
+(a store or pipeline spec from ``stores.STORE_SPECS``). Part 2 (failures) lives in
+``store_contract_failures`` and comes with the star import."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import signal
 import threading
-import time
 
 import numpy as np
 import pytest
+from platforms import build
+from store_contract_failures import *  # noqa: F403  (part 2 of the suite)
 from stores import (
     LAYOUT,
-    PERSISTENT,
     Blocks,
     block_bytes,
     build_store,
-    child_dump_forever,
-    lowest,
     random_ids,
 )
 
-from kvfabric.platform.sim import SimPlatform
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 
@@ -32,8 +28,8 @@ N = 16
 
 
 @pytest.fixture
-def plat():
-    p = SimPlatform()
+def plat(spec):
+    p = build(spec)
     yield p
     p.close()
 
@@ -196,149 +192,6 @@ def test_concurrent_loads_of_the_same_ids(store, plat):
         assert np.array_equal(d.read(), data)
 
 
-# ---------------------------------------------------------------------------- a writer killed
-def _spawn_writer(spec, root, stall, seed):
-    ctx = mp.get_context("spawn")
-    env = {k: v for k, v in os.environ.items() if k.startswith("KVFABRIC_")}
-    proc = ctx.Process(target=child_dump_forever, args=(spec, str(root), env, seed, 8, stall), daemon=True)
-    proc.start()
-    return proc
-
-
-def _wait_for(path, proc, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert proc.is_alive(), "the writer died on its own"
-        assert time.monotonic() < deadline, f"the writer never reached {path}"
-        time.sleep(0.01)
-
-
-def _verify_visible(store, plat, ids):
-    """Every block ``lookup`` shows loads bit-exact; returns how many were visible."""
-    mask = store.lookup(ids)
-    vis = ids[mask]
-    if len(vis):
-        dst = Blocks(plat, LAYOUT, len(vis))
-        assert (load_all(store, vis, dst) == OK).all()
-        assert np.array_equal(dst.read(), block_bytes(vis, LAYOUT.shard_bytes))
-        dst.free()
-    return int(mask.sum())
-
-
-def test_writer_killed_mid_dump_leaves_no_torn_block(store_spec, tmp_path, plat):
-    if lowest(store_spec) not in PERSISTENT:
-        pytest.skip(f"{store_spec!r} keeps blocks in the writer's own memory: they die with it")
-    # deterministic: the writer stalls in the middle of a block file, then is killed
-    proc = _spawn_writer(store_spec, tmp_path, stall=True, seed=100)
-    try:
-        _wait_for(tmp_path / "stalled", proc)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(30)
-    s = build_store(store_spec, tmp_path, plat)
-    try:
-        assert _verify_visible(s, plat, random_ids(8, 100)) < 8  # the stalled block never shows
-        # and killed at arbitrary moments, round after round
-        for k in range(3):
-            (tmp_path / "progress").unlink(missing_ok=True)
-            proc = _spawn_writer(store_spec, tmp_path, stall=False, seed=1000 * (k + 1))
-            try:
-                _wait_for(tmp_path / "progress", proc)
-                time.sleep(0.01 + 0.03 * k)
-            finally:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(30)
-            rounds = int((tmp_path / "progress").read_text() or 0) + 2
-            seen = sum(_verify_visible(s, plat, random_ids(8, 1000 * (k + 1) + r)) for r in range(rounds))
-            assert seen >= 8  # at least the first round completed before the kill
-    finally:
-        s.close()
-
-
-# ---------------------------------------------------------------------------- cancel, timeout
-def _blocked_event(plat, seconds):
-    """An event that completes only after ``seconds`` of stall on a sim stream."""
-    s = plat.stream()
-    plat.stall(s, seconds)
-    ev = plat.event()
-    ev.record(s)
-    return s, ev
-
-
-def test_cancelled_dump_leaves_nothing_visible(store, plat):
-    ids = random_ids(N, 8)
-    src = Blocks(plat, LAYOUT, N)
-    src.write(block_bytes(ids, LAYOUT.shard_bytes))
-    s, ev = _blocked_event(plat, 0.5)
-    t = store.dump(ids, 0, src.addrs, after=ev)
-    assert not store.check(t)
-    store.cancel(t)
-    assert store.check(t)
-    assert (store.wait(t) == CANCELLED).all()
-    s.synchronize()
-    time.sleep(0.1)
-    assert not store.lookup(ids).any()
-
-
-def test_cancelled_load_touches_nothing_it_did_not_report(store, plat):
-    ids = random_ids(64, 9)
-    data = block_bytes(ids, LAYOUT.shard_bytes)
-    src, dst = Blocks(plat, LAYOUT, 64), Blocks(plat, LAYOUT, 64)
-    src.write(data)
-    assert (dump_all(store, ids, src) == OK).all()
-    t = store.load(ids, 0, dst.addrs)
-    store.cancel(t)
-    st = store.wait(t)
-    assert set(np.unique(st)) <= {OK, CANCELLED}
-    got = dst.read()
-    for i in range(64):
-        assert np.array_equal(got[i], data[i]) if st[i] == OK else dst.untouched(i)
-
-
-def test_dump_timeout_cancels_cleanly(store, plat):
-    ids = random_ids(N, 10)
-    src = Blocks(plat, LAYOUT, N)
-    src.write(block_bytes(ids, LAYOUT.shard_bytes))
-    s, ev = _blocked_event(plat, 0.6)
-    t = store.dump(ids, 0, src.addrs, after=ev)
-    assert (store.wait(t, timeout=0.1) == TIMEOUT).all()
-    s.synchronize()
-    time.sleep(0.1)
-    assert not store.lookup(ids).any()
-    # the store still works afterwards
-    assert (dump_all(store, ids, src) == OK).all()
-
-
-def test_load_timeout_reports_and_touches_only_finished_blocks(store, plat):
-    ids = random_ids(64, 11)
-    data = block_bytes(ids, LAYOUT.shard_bytes)
-    src, dst = Blocks(plat, LAYOUT, 64), Blocks(plat, LAYOUT, 64)
-    src.write(data)
-    assert (dump_all(store, ids, src) == OK).all()
-    st = store.wait(store.load(ids, 0, dst.addrs), timeout=0)
-    assert set(np.unique(st)) <= {OK, TIMEOUT}
-    time.sleep(0.2)  # whatever was still running has stopped by now
-    got = dst.read()
-    for i in range(64):
-        assert np.array_equal(got[i], data[i]) if st[i] == OK else dst.untouched(i)
-
-
-def test_failed_copies_are_per_block_failures(store, plat):
-    ids = random_ids(8, 12)
-    src, dst = Blocks(plat, LAYOUT, 8), Blocks(plat, LAYOUT, 8)
-    src.write(block_bytes(ids, LAYOUT.shard_bytes))
-    plat.faults.fail_copy(nth=1, count=1000)
-    st = dump_all(store, ids, src)
-    plat.faults.clear()
-    assert (st == FAILED).all()
-    assert not store.lookup(ids).any()
-    assert (dump_all(store, ids, src) == OK).all()
-    plat.faults.fail_copy(nth=1, count=1000)
-    st = load_all(store, ids, dst)
-    plat.faults.clear()
-    assert (st == FAILED).all()
-
-
 # ---------------------------------------------------------------------------- bad arguments
 def test_bad_arguments_are_clear_errors(store, plat):
     ids = random_ids(4, 13)
@@ -365,7 +218,7 @@ def test_bad_arguments_are_clear_errors(store, plat):
         store.load(ids, "0", b.addrs)
     with pytest.raises(TypeError, match="after must be None or an Event"):
         store.dump(ids, 0, b.addrs, after=object())
-    other = SimPlatform()
+    other = build("sim")
     try:
         with pytest.raises(TypeError, match="after must be None or an Event"):
             store.dump(ids, 0, b.addrs, after=other.event())

@@ -80,8 +80,10 @@ def random_ids(n: int, seed: int) -> np.ndarray:
 
 
 class Blocks:
-    """``n`` blocks laid out in one platform buffer, with gaps, pieces in reverse order (so
-    the address matrix is not a trivial stride) and a sentinel byte in every unused byte."""
+    """``n`` blocks laid out in one platform buffer (device memory by default), with gaps,
+    pieces in reverse order (so the address matrix is not a trivial stride) and a sentinel
+    byte everywhere else. Bytes go in and out through a host mirror and platform copies, so
+    this works on every platform."""
 
     SENTINEL = 0xA5
 
@@ -96,7 +98,9 @@ class Blocks:
         self.platform, self.layout, self.n = platform, layout, n
         shard = layout.shard_bytes
         self.stride = shard if contiguous else shard + 128
-        self.buf = platform.alloc(max(1, n) * self.stride + 64, medium)
+        size = max(1, n) * self.stride + 64
+        self.buf = platform.alloc(size, medium)
+        self.host = platform.alloc(size, Medium.DRAM)
         offs = layout.offsets.astype(np.int64)
         if not contiguous:
             offs = (shard - offs - np.asarray(layout.piece_sizes)).astype(np.int64) + 64
@@ -104,10 +108,16 @@ class Blocks:
         self.fill_sentinel()
 
     def view(self) -> np.ndarray:
-        return self.buf.numpy()
+        """The buffer's current bytes (a host copy)."""
+        self.platform.copy(self.host, self.buf)
+        return self.host.numpy()
+
+    def _push(self) -> None:
+        self.platform.copy(self.buf, self.host)
 
     def fill_sentinel(self) -> None:
-        self.view()[:] = self.SENTINEL
+        self.host.numpy()[:] = self.SENTINEL
+        self._push()
 
     def _spans(self, i: int) -> list[tuple[int, int]]:
         base = self.buf.ptr
@@ -121,6 +131,7 @@ class Blocks:
             for off, size in self._spans(i):
                 v[off : off + size] = data[i, pos : pos + size]
                 pos += size
+        self._push()
 
     def read(self) -> np.ndarray:
         """Gather the pieces back into ``(n, shard_bytes)``."""
@@ -139,6 +150,49 @@ class Blocks:
 
     def free(self) -> None:
         self.platform.free(self.buf)
+        self.platform.free(self.host)
+
+
+# ---------------------------------------------------------------------------- platform faults
+def fail_copies(plat: Platform, count: int = 100000) -> None:
+    """Make the next ``count`` copies fail on a platform with fault injection (else skip)."""
+    if hasattr(plat, "faults"):
+        plat.faults.fail_copy(nth=1, count=count)
+    elif hasattr(getattr(plat, "runtime", None), "fail_next_copy"):
+        plat.runtime.fail_next_copy(count)
+    else:
+        import pytest
+
+        pytest.skip(f"{plat!r} has no fault injection")
+
+
+def clear_faults(plat: Platform) -> None:
+    if hasattr(plat, "faults"):
+        plat.faults.clear()
+    elif hasattr(getattr(plat, "runtime", None), "fail_copies"):
+        plat.runtime.fail_copies = 0
+
+
+def blocked_event(plat: Platform, seconds: float) -> tuple:
+    """``(stream, event)``: an event that completes only after ``seconds`` (sim: a stalled
+    stream), or only once the stream is synchronized (the fake device runtime, which runs
+    queued copies only when waited on). Skips on real hardware."""
+    from kvfabric.platform.types import Medium as M
+
+    s = plat.stream()
+    if hasattr(plat, "stall"):
+        plat.stall(s, seconds)
+    elif type(getattr(plat, "runtime", None)).__name__ == "HostRuntime":
+        a, b = plat.alloc(4096, M.DRAM), plat.alloc(4096, M.HBM)
+        plat.copy(b, a, stream=s)
+    else:
+        import pytest
+
+        s.close()
+        pytest.skip(f"{plat!r} cannot hold an event back")
+    ev = plat.event()
+    ev.record(s)
+    return s, ev
 
 
 # ---------------------------------------------------------------------------- posix I/O faults
@@ -194,14 +248,16 @@ class FullDiskIO(FileIO):
 
 
 # ---------------------------------------------------------------------------- child process
-def child_dump_forever(spec: str, root: str, env: dict, seed: int, n: int, stall: bool) -> None:
+def child_dump_forever(
+    spec: str, root: str, env: dict, seed: int, n: int, stall: bool, platform: str = "sim"
+) -> None:
     """Child: dump ``n`` blocks of ``random_ids(n, seed)`` again and again under fresh ids
     derived from a round counter; with ``stall``, the posix tier stalls mid-file after the
     first two blocks and drops ``root/stalled``. Runs until killed."""
     os.environ.update(env)
-    from kvfabric.platform.sim import SimPlatform
+    from platforms import build
 
-    plat = SimPlatform()
+    plat = build(platform)
     store = build_store(spec, root, plat)
     if stall:
         posix = posix_tier(store)

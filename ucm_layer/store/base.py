@@ -29,7 +29,9 @@ Call order and meaning (every method is thread-safe):
   file I/O, which goes on privately and is discarded.
 * ``cancel(task)``: stop what has not started; unfinished blocks become ``CANCELLED``.
   The caller still calls ``wait`` to collect the statuses.
-* ``close()``: finish outstanding work, then release buffers, streams and threads.
+* ``close()``: let outstanding tasks finish (for a grace period; tasks still running then
+  are cancelled), then release buffers, streams and threads. Idempotent; any later call
+  is a ``ValueError``.
 
 Memory ownership: the caller owns the memory at ``addrs``. After a ``load`` it must not
 read, and after a ``dump`` it must not overwrite, those bytes until ``wait`` returned:

@@ -233,5 +233,6 @@ class CacheStore(TaskStore):
         if self._closed:
             return
         self._closed = True
+        self._settle()
         self.workers.close()
         self.platform.free(self.buffer)

@@ -9,6 +9,8 @@ implements ``lookup``, ``_start_load`` and ``_start_dump``.
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,8 @@ from kvfabric.ucm_layer.store.base import (
     check_shard,
 )
 from kvfabric.ucm_layer.store.task import StoreTask, check_task, wait_task
+
+CLOSE_GRACE_S = 10.0  # how long close() lets outstanding tasks finish before cancelling them
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class TaskStore(Store):
         self._closed = False
         self._stats_lock = threading.Lock()
         self._counts = {k: np.zeros(len(BlockStatus), np.int64) for k in TaskKind}
+        self._live: weakref.WeakSet[StoreTask] = weakref.WeakSet()
 
     # ------------------------------------------------------------------ checks
     def _check_open(self) -> None:
@@ -89,7 +94,17 @@ class TaskStore(Store):
     def _new_task(self, kind: TaskKind, n: int, chunk: int = 1) -> StoreTask:
         task = StoreTask(self, kind, n, chunk)
         task.on_done(self._count)
+        self._live.add(task)
         return task
+
+    def _settle(self, timeout: float | None = None) -> None:
+        """For ``close``: let outstanding tasks finish for up to ``timeout`` seconds (default
+        ``CLOSE_GRACE_S``), then cancel the rest (e.g. a dump waiting on an event that never
+        comes)."""
+        deadline = time.monotonic() + (CLOSE_GRACE_S if timeout is None else timeout)
+        for task in list(self._live):
+            if not task.wait_finished(max(0.0, deadline - time.monotonic())):
+                task.cancel(BlockStatus.CANCELLED)
 
     def _count(self, task: StoreTask) -> None:
         c = np.bincount(task.status.astype(np.int64), minlength=len(BlockStatus))[: len(BlockStatus)]

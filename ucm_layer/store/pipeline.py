@@ -269,8 +269,13 @@ class Pipeline(TaskStore):
             self.upper.table.publish(slots, np.zeros(slots.size, bool))
             raise
         if self.config.write == "behind":
+            if not isinstance(sub, StoreTask):
+                self.lower.wait(sub)
+                raise TypeError(f"write-behind needs {self.lower.name!r} to return StoreTask tasks")
             task.set(rows[own], OK)
-            self.workers.submit(self._background, lambda _ctx: self._settle_behind(sub, slots))
+            # published by the lower task's completion, on its own thread: a pipeline worker
+            # waiting for these slots to settle can never block their settling
+            sub.on_done(lambda t: self._settle_behind(t, slots))
             return
         task.adopt(self.lower, sub)
         st = np.full(slots.size, int(BlockStatus.FAILED), np.int8)
@@ -280,15 +285,13 @@ class Pipeline(TaskStore):
             self.upper.table.publish(slots, st == OK)
         task.set(rows[own], _by_slot(slots, st, c.slots[own]))
 
-    def _settle_behind(self, sub: Task, slots: np.ndarray) -> None:
-        st = np.full(slots.size, int(BlockStatus.FAILED), np.int8)
-        try:
-            st = self.lower.wait(sub)
-        finally:
-            self.upper.table.publish(slots, st == OK)
-        failed = int((st != OK).sum())
+    def _settle_behind(self, sub: StoreTask, slots: np.ndarray) -> None:
+        ok = sub.status == OK
+        self.upper.table.publish(slots, ok)
+        failed = int((~ok).sum())
         if failed:
-            self._behind_failed += failed
+            with self._stats_lock:
+                self._behind_failed += failed
             log.warning(
                 "pipeline %s: %d block(s) written behind failed in %s", self.name, failed, self.lower.name
             )
@@ -302,14 +305,15 @@ class Pipeline(TaskStore):
         return out
 
     def close(self) -> None:
-        """Finish background writes, then close both tiers."""
+        """Finish (or, after a grace period, cancel) tasks and writes behind; close both tiers."""
         if self._closed:
             return
         self._closed = True
         try:
+            self._settle()
             self.workers.close()
         finally:
             try:
-                self.upper.close()
+                self.lower.close()  # first: writes behind still read from cache slots
             finally:
-                self.lower.close()
+                self.upper.close()

@@ -170,6 +170,14 @@ class PosixStore(TaskStore):
         arr = self._ids(ids)
         return self.files.exists(self.files.paths(arr))
 
+    def lookup_prefix(self, ids: np.ndarray) -> int:
+        """Existence checks in order, stopping at the first missing block."""
+        paths = self.files.paths(self._ids(ids))
+        for i, path in enumerate(paths):
+            if not os.access(path, os.F_OK):
+                return i
+        return len(paths)
+
     def prefetch(self, ids: np.ndarray) -> None:
         """Ask the kernel to read present blocks ahead (``posix_fadvise(WILLNEED)``)."""
         paths = self.files.paths(self._ids(ids))
@@ -356,5 +364,6 @@ class PosixStore(TaskStore):
         if self._closed:
             return
         self._closed = True
+        self._settle()
         self.workers.close()
         self.gc.close()

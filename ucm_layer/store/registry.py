@@ -130,15 +130,20 @@ def create(
         from kvfabric.platform.registry import default
 
         platform = default()
+    pipeline_config = None
+    if len(tiers) > 1:
+        from kvfabric.ucm_layer.store.pipeline import PipelineConfig
+
+        pipeline_config = PipelineConfig.from_mapping(cfg)  # checked before anything is built
     built: list[Store] = []
     try:
         for name in tiers:
             built.append(store_class(name).from_config(cfg, platform=platform, layout=layout))
-        if len(built) == 1:
+        if pipeline_config is None:
             return built[0]
-        from kvfabric.ucm_layer.store.pipeline import Pipeline, PipelineConfig
+        from kvfabric.ucm_layer.store.pipeline import Pipeline
 
-        return Pipeline(PipelineConfig.from_mapping(cfg), built[0], built[1])
+        return Pipeline(pipeline_config, built[0], built[1])
     except BaseException:
         for s in reversed(built):
             s.close()

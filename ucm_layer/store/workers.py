@@ -104,6 +104,8 @@ class Workers:
 
     def submit(self, task: StoreTask, fn: JobFn) -> None:
         """Run ``fn(ctx)`` once on some worker as a job of ``task`` (the caller seals)."""
+        if getattr(self, "_closed", False):
+            raise ValueError("the store is closed")
         task.add_job()
         self._queue.put((task, fn))
 
@@ -123,6 +125,14 @@ class Workers:
             self._queue.put(None)
         for t in self._threads:
             t.join()
+        while True:  # a job queued while closing never runs: its blocks fail
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].fail_pending()
+                item[0].job_done()
         for ctx in self._contexts:
             try:
                 ctx.stream.close()
