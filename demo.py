@@ -1,9 +1,12 @@
 """``kvfabric demo``: the stack end to end on the embedded default, with its figures.
 
-The platform layer: a second process owns a shareable window and exports it; this
+First the platform layer: a second process owns a shareable window and exports it; this
 process maps it, writes and reads it with single and batched copies, and checks every
-byte against the peer's own view of the memory. The pool: an embedded pool stores and
-serves KV-block-shaped objects (``kvfabric.pool.demo``).
+byte against the peer's own view of the memory. Then the pool: an embedded pool stores
+and serves KV-block-shaped objects (``kvfabric.pool.demo``). Then, when vLLM is
+installed, the KV connector inside a real vLLM engine (see ``demo_vllm.py``): time to
+first token of a prompt cold and again warm through kvfabric; without vLLM it says how
+to install it.
 """
 
 from __future__ import annotations
@@ -124,5 +127,8 @@ def run_demo(platform: str | None = None) -> int:
     mine = shm.owned_names()
     con.print(f"shared-memory segments still owned by this process after close: {len(mine)}")
     ok &= not mine
+    from kvfabric.demo_vllm import run_connector_demo
+
+    ok &= run_connector_demo(con)
     con.print("[green]demo OK[/]" if ok else "[red]demo FAILED[/]")
     return 0 if ok else 1

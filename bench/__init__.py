@@ -10,6 +10,7 @@ from __future__ import annotations
 BENCHMARKS: dict[str, str] = {
     "copy": "kvfabric.bench.copy:run",
     "xcopy": "kvfabric.bench.xcopy:run",
+    "e2e": "kvfabric.bench.e2e:run",
     "store": "kvfabric.bench.store:run",
 }
 

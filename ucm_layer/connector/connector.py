@@ -1,0 +1,274 @@
+"""``KVFabricConnector``: kvfabric as a vLLM ``KVConnectorBase_V1``, both roles.
+
+vLLM (CUDA), vLLM-Ascend and the CPU build load it by configuration, with no patches::
+
+    --kv-transfer-config '{"kv_connector": "KVFabricConnector",
+                           "kv_connector_module_path": "kvfabric.ucm_layer.connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"store": "cache|posix"}}'
+
+or by name alone once the ``vllm.general_plugins`` entry point registered it (see
+``plugin.py``). This module is a thin adapter: it reads vLLM's objects through
+``compat.py`` and hands plain values to :class:`SchedulerSide` (scheduler role) and
+:class:`WorkerSide` (worker role); the step plan travels inside
+:class:`KVFabricMetadata`. Block ids come from vLLM's own chained
+``request.block_hashes`` re-keyed by a fingerprint of the model and the KV layout, so two
+configurations never share a block.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from kvfabric.platform import registry as platform_registry
+from kvfabric.platform.base import Platform
+from kvfabric.platform.stream import Event
+from kvfabric.ucm_layer import hashing
+from kvfabric.ucm_layer.connector import compat, metrics, stores
+from kvfabric.ucm_layer.connector.config import ConnectorConfig, load_config
+from kvfabric.ucm_layer.connector.plan import StepPlan
+from kvfabric.ucm_layer.connector.scheduler import SchedulerSide
+from kvfabric.ucm_layer.connector.tracing import Tracer
+from kvfabric.ucm_layer.connector.worker import WorkerSide
+from kvfabric.ucm_layer.store.base import Store, StoreLayout
+
+log = logging.getLogger("kvfabric.connector")
+
+_instances: weakref.WeakSet[KVFabricConnector] = weakref.WeakSet()
+
+
+def instances() -> list[KVFabricConnector]:
+    """Live connectors of this process (for tests, the demo and benchmarks)."""
+    return list(_instances)
+
+
+class KVFabricMetadata(compat.KVConnectorMetadata):
+    """The step plan, from the scheduler role to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+if compat.KVConnectorStats is not None:
+
+    class KVFabricStats(compat.KVConnectorStats):  # type: ignore[misc,valid-type]
+        """kvfabric counters in vLLM's connector stats (see ``metrics.py``)."""
+
+        def __init__(self, data: dict[str, Any] | None = None) -> None:
+            super().__init__(data=data if data is not None else metrics.empty())
+
+        def reset(self) -> None:
+            self.data = metrics.empty()
+
+        def aggregate(self, other: Any) -> KVFabricStats:
+            return KVFabricStats(metrics.merge(self.data, getattr(other, "data", {}) or {}))
+
+        def reduce(self) -> dict[str, int | float]:
+            return metrics.reduce(self.data)
+
+        def is_empty(self) -> bool:
+            return metrics.is_empty(self.data)
+
+else:  # pragma: no cover - vLLM without the stats API
+    KVFabricStats = None  # type: ignore[assignment,misc]
+
+
+def _fingerprint(cfg: ConnectorConfig, info: compat.EngineInfo, kv_cache_config: Any) -> hashing.Fingerprint:
+    specs = []
+    for g in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        s = g.kv_cache_spec
+        specs.append(
+            f"{type(s).__name__}:{getattr(s, 'num_kv_heads', '?')}x{getattr(s, 'head_size', '?')}"
+            f":{getattr(s, 'dtype', '?')}:{len(g.layer_names)}L:{getattr(s, 'page_size_bytes', '?')}"
+        )
+    layout = ";".join(specs) or "unknown"
+    layout += f"|delegator={int(cfg.delegator)}|layerwise={int(cfg.layerwise)}"
+    return hashing.Fingerprint(info.model, info.dtype, layout, info.block_size, info.tp_size)
+
+
+def _block_bytes_guess(kv_cache_config: Any) -> int:
+    total = 0
+    for g in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        page = getattr(g.kv_cache_spec, "page_size_bytes", 0) or 0
+        total += int(page) * len(g.layer_names)
+    return max(total, 1)
+
+
+class KVFabricConnector(compat.KVConnectorBase_V1):
+    """The kvfabric KV connector (see module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        try:
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        except TypeError:  # older vLLM: (vllm_config, role)
+            super().__init__(vllm_config=vllm_config, role=role)
+        kvt = vllm_config.kv_transfer_config
+        self.cfg = load_config(kvt.kv_connector_extra_config)
+        self.is_scheduler = compat.is_scheduler(role)
+        self.cfg.log_once("scheduler" if self.is_scheduler else "worker")
+        self.info = compat.engine_info(vllm_config, kv_cache_config)
+        if not self.info.single_group:
+            raise ValueError(
+                "kvfabric supports models with one KV cache group (full attention); "
+                "this model has several (sliding window / hybrid): run it with "
+                "--disable-hybrid-kv-cache-manager or without kvfabric"
+            )
+        if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning(
+                "kvfabric: kv_load_failure_policy is %r; set it to 'recompute' so a block that fails "
+                "to load is recomputed instead of failing the request",
+                kvt.kv_load_failure_policy,
+            )
+        self.platform: Platform = (
+            platform_registry.create(self.cfg.platform) if self.cfg.platform else platform_registry.default()
+        )
+        self._hasher = hashing.BlockHasher(_fingerprint(self.cfg, self.info, kv_cache_config))
+        self._tracer = Tracer(self.cfg.otlp_endpoint)
+        self._kv_cache_config = kv_cache_config
+        self._lookup_store: Store | None = None
+        self._own_lookup_store = False
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if self.is_scheduler:
+            k = self.info.block_size // self.info.hash_block_size if self.info.hash_block_size else 1
+            self.scheduler = SchedulerSide(
+                self.info.block_size,
+                self._hasher.hash_engine,
+                self._lookup_prefix,
+                hashes_per_block=max(k, 1),
+                load=self.info.kv_consumer,
+                save=self.info.kv_producer,
+                tracer=self._tracer,
+            )
+        else:
+            self.worker = WorkerSide(
+                self.cfg,
+                self.platform,
+                lambda layout: stores.acquire(self.cfg, self.platform, layout),
+                rank=compat.tp_rank(),
+                mla=self.info.use_mla,
+                load=self.info.kv_consumer,
+                save=self.info.kv_producer,
+                tracer=self._tracer,
+                compute_done=self._compute_done,
+            )
+        _instances.add(self)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss, not a lost hand-off
+
+    # ------------------------------------------------------------------ helpers
+    def _compute_done(self) -> Event | None:
+        """Order dumps after the forward's kernels. CPU: the forward is synchronous. A
+        device: wait for the framework's current stream (its kernels wrote the KV)."""
+        if self.platform.name in ("sim",):
+            return None
+        import torch
+
+        dev = getattr(torch, "npu", None) if self.platform.name == "ascend" else torch.cuda
+        if dev is not None:
+            dev.current_stream().synchronize()
+        return None
+
+    def _lookup_prefix(self, ids: Any) -> int:
+        if self._lookup_store is None:
+            found = stores.find(self.cfg)
+            if found is None:
+                layout = StoreLayout((_block_bytes_guess(self._kv_cache_config),))
+                found = stores.acquire(self.cfg, self.platform, layout)
+                self._own_lookup_store = True
+            self._lookup_store = found
+        return self._lookup_store.lookup_prefix(ids)
+
+    def _plan(self) -> StepPlan | None:
+        meta = self._connector_metadata
+        return meta.plan if isinstance(meta, KVFabricMetadata) else None
+
+    # ------------------------------------------------------------------ worker role
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        nb = self.info.num_blocks
+        if not nb:
+            raise ValueError("kvfabric needs the KV cache block count (kv_cache_config.num_blocks)")
+        self.worker.register(kv_caches, int(nb), self.info.block_strides)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        plan = self._plan()
+        if self.worker is not None and plan is not None:
+            self.worker.start_load(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.save_layer(layer_name, self._plan())
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.wait_for_save(self._plan())
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if self.worker is not None and isinstance(kv_connector_metadata, KVFabricMetadata):
+            self.worker.preempted(kv_connector_metadata.plan.preempted)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        return self.worker.finished() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.failed_blocks() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> Any:
+        side = self.worker if self.worker is not None else self.scheduler
+        data = side.stats.take() if side is not None else None
+        if data is None or KVFabricStats is None:
+            return None
+        return KVFabricStats(data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return None if KVFabricStats is None else KVFabricStats(data)
+
+    def shutdown(self) -> None:
+        _instances.discard(self)
+        if self.worker is not None:
+            store = self.worker.store
+            self.worker.close()
+            if store is not None:
+                stores.release(store)
+        if self._own_lookup_store and self._lookup_store is not None:
+            stores.release(self._lookup_store)
+        self._lookup_store = None
+
+    # ------------------------------------------------------------------ scheduler role
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.scheduler is None:
+            return 0, False
+        return self.scheduler.num_new_matched_tokens(compat.request_view(request), num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.after_alloc(
+                compat.request_view(request), compat.block_ids_of(blocks), num_external_tokens
+            )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVFabricMetadata:
+        assert self.scheduler is not None
+        plan = self.scheduler.build_plan(
+            compat.new_reqs(scheduler_output),
+            compat.cached_reqs(scheduler_output),
+            compat.num_scheduled(scheduler_output),
+            compat.preempted_ids(scheduler_output),
+        )
+        return KVFabricMetadata(plan)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request.request_id), None

@@ -1,0 +1,106 @@
+"""Connector counters, shaped for vLLM's connector stats (a plain, serialisable dict).
+
+Each role keeps a :class:`StatsWindow`; vLLM collects it every step through
+``get_kv_connector_stats`` (``take()`` returns the window's data and starts a new one),
+adds the workers' windows to the scheduler's (``merge``), and logs ``reduce``'s summary.
+``totals`` keeps the counts since start for tests, ``kvfabric demo`` and benchmarks.
+
+Counters: ``lookups``, ``requested_tokens``, ``hit_tokens`` (local + external prefix
+the lookups saw), ``external_hit_tokens`` (what kvfabric adds), ``loaded_blocks``,
+``loaded_bytes``, ``load_failed_blocks``, ``saved_blocks``, ``saved_bytes``,
+``save_failed_blocks``; latency samples ``load_s`` and ``save_s`` (seconds per batch).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from typing import Any
+
+COUNTERS = (
+    "lookups",
+    "requested_tokens",
+    "hit_tokens",
+    "external_hit_tokens",
+    "loaded_blocks",
+    "loaded_bytes",
+    "load_failed_blocks",
+    "saved_blocks",
+    "saved_bytes",
+    "save_failed_blocks",
+)
+SAMPLES = ("load_s", "save_s")
+MAX_SAMPLES = 4096
+
+
+def empty() -> dict[str, Any]:
+    d: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
+    for k in SAMPLES:
+        d[k] = []
+    return d
+
+
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = empty()
+    for k in COUNTERS:
+        out[k] = int(a.get(k, 0)) + int(b.get(k, 0))
+    for k in SAMPLES:
+        out[k] = (list(a.get(k, [])) + list(b.get(k, [])))[-MAX_SAMPLES:]
+    return out
+
+
+def is_empty(d: dict[str, Any]) -> bool:
+    return not any(d.get(k) for k in COUNTERS) and not any(d.get(k) for k in SAMPLES)
+
+
+def reduce(d: dict[str, Any]) -> dict[str, int | float]:
+    """A summary for vLLM's periodic log line."""
+    out: dict[str, int | float] = {k: int(d.get(k, 0)) for k in COUNTERS}
+    req = out["requested_tokens"]
+    out["hit_rate"] = round(out["hit_tokens"] / req, 4) if req else 0.0
+    for k in SAMPLES:
+        xs = d.get(k) or []
+        out[f"{k}_p50_ms"] = round(statistics.median(xs) * 1e3, 3) if xs else 0.0
+    secs = sum(d.get("load_s") or [])
+    out["load_GBps"] = round(out["loaded_bytes"] / secs / 1e9, 3) if secs else 0.0
+    secs = sum(d.get("save_s") or [])
+    out["save_GBps"] = round(out["saved_bytes"] / secs / 1e9, 3) if secs else 0.0
+    return out
+
+
+class StatsWindow:
+    """Thread-safe counters for one role; ``take`` hands vLLM the window and resets it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._window = empty()
+        self.totals = empty()
+
+    def add(self, **kv: float) -> None:
+        with self._lock:
+            for k, v in kv.items():
+                if k in SAMPLES:
+                    for d in (self._window, self.totals):
+                        d[k].append(float(v))
+                        if len(d[k]) > MAX_SAMPLES:
+                            del d[k][: len(d[k]) - MAX_SAMPLES]
+                else:
+                    self._window[k] += int(v)
+                    self.totals[k] += int(v)
+
+    def take(self) -> dict[str, Any] | None:
+        with self._lock:
+            if is_empty(self._window):
+                return None
+            out, self._window = self._window, empty()
+            return out
+
+
+class SchedulerStats(StatsWindow):
+    def lookup(self, requested_tokens: int, hit_tokens: int, external_hit_tokens: int) -> None:
+        self.add(
+            lookups=1,
+            requested_tokens=requested_tokens,
+            hit_tokens=hit_tokens,
+            external_hit_tokens=external_hit_tokens,
+        )

@@ -1,0 +1,47 @@
+"""The step plan the scheduler role sends the worker role (inside vLLM's connector metadata).
+
+Plain, picklable values only: vLLM ships the metadata to worker processes. Block ids
+are *base* ids (rank 0, group 0); each worker stamps its own rank before it touches a
+store (MLA: every rank uses rank 0's ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Transfer:
+    """Blocks of one request to load or dump: ids ``(n, 16)`` and engine block ids ``(n,)``."""
+
+    req_id: str
+    ids: np.ndarray
+    blocks: np.ndarray
+    requested_tokens: int = 0  # for spans: the request's tokens when it was planned
+    block_size: int = 0  # tokens per block (for spans)
+
+    def __post_init__(self) -> None:
+        if self.ids.ndim != 2 or self.ids.shape[0] != self.blocks.size:
+            raise ValueError(f"Transfer of {self.req_id}: {self.ids.shape} ids for {self.blocks.size} blocks")
+
+
+@dataclass
+class StepPlan:
+    """What the workers do this step.
+
+    ``loads`` must be in the KV cache before the forward reads it; ``dumps`` are stored
+    after the forward wrote them; ``finished`` are requests whose blocks the scheduler
+    keeps alive until every worker reports their dumps released (``get_finished``);
+    ``preempted`` are requests whose in-flight dumps must finish before their blocks are
+    reused.
+    """
+
+    loads: list[Transfer] = field(default_factory=list)
+    dumps: list[Transfer] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.dumps or self.finished or self.preempted)

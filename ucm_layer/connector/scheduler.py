@@ -1,0 +1,232 @@
+"""The scheduler role: which prefix blocks to load, which computed blocks to dump.
+
+Works on plain values (see ``compat.py``), never on vLLM objects. Call order per
+request, as vLLM's scheduler drives it:
+
+1. ``num_new_matched_tokens(req, local)``, possibly several times, with ``local`` the
+   block-aligned tokens vLLM's own prefix cache already has. It looks up the blocks
+   *beyond* ``local`` and answers how many more tokens the store holds. Idempotent: a
+   repeated call with the same arguments answers from the last lookup without asking the
+   store again. It never claims the last token of the sequence (the engine must compute
+   at least one token to sample from), and a store that fails or does not answer is a
+   miss, logged once.
+2. ``after_alloc(req, block_ids, num_external)``: the engine allocated blocks; when it
+   accepted ``num_external`` tokens, the load is planned.
+3. ``build_plan(...)`` once per step: the planned loads, plus dumps of every block that
+   becomes full (all its tokens computed) in this step and is not already stored.
+4. ``request_finished(req_id)``: True when dumps were planned for the request; vLLM then
+   keeps its blocks until the workers report them released (``finished`` in a later
+   plan asks them to).
+
+Not thread-safe: vLLM calls the scheduler role from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvfabric.ucm_layer.connector.metrics import SchedulerStats
+from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
+from kvfabric.ucm_layer.connector.tracing import Tracer
+from kvfabric.ucm_layer.connector.views import CachedReq, NewReq, ReqView
+
+log = logging.getLogger("kvfabric.connector")
+
+IdFn = Callable[[Sequence[bytes], np.ndarray | None], np.ndarray]
+
+
+@dataclass
+class _Req:
+    view: ReqView
+    ids: np.ndarray  # base ids of the blocks hashed so far
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # blocks [0, stored) are known to be in the store (or planned)
+    lookup_key: tuple[int, int] | None = None
+    lookup_hit: int = 0  # blocks beyond `local` the store holds
+    load: Transfer | None = None
+    dumped_any: bool = False
+
+
+class SchedulerSide:
+    """Bookkeeping of the scheduler role (see module docstring)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        ids_from_hashes: IdFn,
+        lookup_prefix: Callable[[np.ndarray], int],
+        *,
+        hashes_per_block: int = 1,
+        load: bool = True,
+        save: bool = True,
+        tracer: Tracer | None = None,
+    ) -> None:
+        if block_size < 1 or hashes_per_block < 1:
+            raise ValueError("block_size and hashes_per_block must be >= 1")
+        self.block_size = block_size
+        self.hashes_per_block = hashes_per_block
+        self._ids_from_hashes = ids_from_hashes
+        self._lookup_prefix = lookup_prefix
+        self.can_load, self.can_save = load, save
+        self.tracer = tracer or Tracer(None)
+        self.stats = SchedulerStats()
+        self._reqs: dict[str, _Req] = {}
+        self._planned_loads: list[Transfer] = []
+        self._finished: set[str] = set()
+        self._store_down = False
+
+    # ------------------------------------------------------------------ ids
+    def _state(self, view: ReqView) -> _Req:
+        st = self._reqs.get(view.req_id)
+        if st is None:
+            st = self._reqs[view.req_id] = _Req(view, np.zeros((0, 16), np.uint8))
+        else:
+            st.view = view
+        return st
+
+    def _ids(self, st: _Req, upto: int) -> np.ndarray:
+        """Base ids of the first ``upto`` blocks (fewer if the engine has not hashed them)."""
+        have = st.ids.shape[0]
+        if have < upto:
+            k = self.hashes_per_block
+            hashes = st.view.block_hashes[have * k : upto * k]
+            hashes = hashes[k - 1 :: k] if k > 1 else hashes
+            if hashes:
+                parent = st.ids[-1] if have else None
+                new = self._ids_from_hashes(hashes, parent)
+                st.ids = np.concatenate([st.ids, new]) if have else new
+        return st.ids[:upto]
+
+    # ------------------------------------------------------------------ lookup
+    def num_new_matched_tokens(self, view: ReqView, local_tokens: int) -> int:
+        if not self.can_load:
+            return 0
+        st = self._state(view)
+        bs = self.block_size
+        local = local_tokens // bs
+        claimable = max(view.num_tokens - 1, 0) // bs  # never the last token
+        key = (local, claimable)
+        if st.lookup_key == key:
+            return st.lookup_hit * bs
+        hit = 0
+        ids = self._ids(st, claimable)
+        if ids.shape[0] > local:
+            try:
+                with self.tracer.span("kvfabric.lookup", req_id=view.req_id) as span:
+                    hit = int(self._lookup_prefix(ids[local:]))
+                    span.set(
+                        requested_tokens=view.num_tokens,
+                        hit_tokens=(local + hit) * bs,
+                        hit_rate=(local + hit) * bs / max(view.num_tokens, 1),
+                    )
+                if self._store_down:
+                    log.warning("kvfabric: the store answers lookups again")
+                    self._store_down = False
+            except Exception as e:  # noqa: BLE001 - a store that does not answer is a miss
+                if not self._store_down:
+                    log.warning(
+                        "kvfabric: store lookup failed (%s: %s); treating lookups as misses until it answers",
+                        type(e).__name__,
+                        e,
+                    )
+                    self._store_down = True
+                hit = 0
+        hit = max(0, min(hit, ids.shape[0] - local))
+        st.lookup_key, st.lookup_hit = key, hit
+        self.stats.lookup(view.num_tokens, (local + hit) * bs, hit * bs)
+        return hit * bs
+
+    def after_alloc(self, view: ReqView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        st = self._state(view)
+        st.block_ids = list(block_ids)
+        if num_external_tokens <= 0:
+            return
+        bs = self.block_size
+        n = num_external_tokens // bs
+        if st.lookup_key is None or n > st.lookup_hit:
+            raise ValueError(
+                f"request {view.req_id}: the engine accepted {num_external_tokens} external tokens, "
+                f"more than the {st.lookup_hit * bs} the last lookup found"
+            )
+        local = st.lookup_key[0]
+        ids = self._ids(st, local + n)[local:]
+        blocks = np.asarray(st.block_ids[local : local + n], np.int64)
+        if blocks.size != n:
+            raise ValueError(f"request {view.req_id}: {blocks.size} blocks allocated for {n} loaded blocks")
+        st.load = Transfer(view.req_id, ids, blocks, view.num_tokens, bs)
+        st.stored = max(st.stored, local + n)
+        self._planned_loads.append(st.load)
+
+    # ------------------------------------------------------------------ per step
+    def build_plan(
+        self,
+        new: Sequence[NewReq],
+        cached: Sequence[CachedReq],
+        num_scheduled: dict[str, int],
+        preempted: set[str] | None = None,
+    ) -> StepPlan:
+        plan = StepPlan(loads=self._planned_loads, finished=self._finished, preempted=set(preempted or ()))
+        self._planned_loads, self._finished = [], set()
+        for r in new:
+            st = self._reqs.get(r.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(r.block_ids)
+            # computed tokens count vLLM's own prefix-cache hits (stored when first
+            # computed) and the blocks loaded from the store this step
+            st.stored = max(st.stored, r.num_computed_tokens // self.block_size)
+            self._plan_dumps(st, r.num_computed_tokens + num_scheduled.get(r.req_id, 0), plan)
+            st.load = None
+        for c in cached:
+            st = self._reqs.get(c.req_id)
+            if st is None:
+                continue
+            if c.resumed:  # a preempted request starts over with a new block table
+                st.block_ids = list(c.new_block_ids or [])
+                st.stored = c.num_computed_tokens // self.block_size
+            elif c.new_block_ids:
+                st.block_ids.extend(c.new_block_ids)
+            self._plan_dumps(st, c.num_computed_tokens + num_scheduled.get(c.req_id, 0), plan)
+        return plan
+
+    def _plan_dumps(self, st: _Req, computed_after_step: int, plan: StepPlan) -> None:
+        if not self.can_save:
+            return
+        full = min(computed_after_step // self.block_size, len(st.block_ids))
+        if full <= st.stored:
+            return
+        ids = self._ids(st, full)
+        full = min(full, ids.shape[0])
+        if full <= st.stored:
+            return
+        rows = slice(st.stored, full)
+        plan.dumps.append(
+            Transfer(
+                st.view.req_id,
+                ids[rows],
+                np.asarray(st.block_ids[rows], np.int64),
+                st.view.num_tokens,
+                self.block_size,
+            )
+        )
+        st.stored = full
+        st.dumped_any = True
+
+    def request_finished(self, req_id: str) -> bool:
+        """Whether vLLM must keep the request's blocks until the workers release them."""
+        st = self._reqs.pop(req_id, None)
+        if st is None or not st.dumped_any:
+            return False
+        self._finished.add(req_id)
+        return True
+
+    def forget(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._reqs)

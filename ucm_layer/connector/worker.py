@@ -1,0 +1,342 @@
+"""The worker role: move the planned blocks between the KV cache and the store.
+
+Call order per engine step (vLLM's model runner drives it):
+
+1. ``register(kv_caches, ...)`` once: the KV tensors become a :class:`KVLayout`, their
+   memory is made addressable on the platform, the store and the Delegator are built.
+2. ``start_load(plan)`` before the forward. Whole-request mode loads every planned
+   block and returns when the bytes are in place; layer-wise mode issues one load per
+   layer and ``wait_layer(name)`` (called by each attention layer) waits for its own.
+   A block that fails to load (store gone, timeout, missing) is remembered;
+   ``failed_blocks()`` hands those to vLLM, which recomputes them. The first failure of
+   a run of failures is logged once as a warning, never raised.
+3. ``save_layer(name)`` after each attention layer (layer-wise mode) and
+   ``wait_for_save(plan)`` after the forward: dumps start asynchronously (gather on the
+   copy stream, then the store transfer).
+4. ``finished(ids)``: the requests of earlier ``plan.finished`` whose dumps released
+   their source blocks, for vLLM to free. ``preempted(ids)`` waits for such dumps before
+   vLLM reuses a preempted request's blocks.
+
+Ranks: a worker stamps its TP rank into the ids (each rank stores its own heads). MLA:
+every rank holds the same latent KV, so all use rank 0's ids and only rank 0 dumps.
+Not thread-safe beyond what vLLM does (one thread per worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from kvfabric.platform.base import Platform
+from kvfabric.platform.stream import Event
+from kvfabric.platform.types import Medium
+from kvfabric.ucm_layer import hashing
+from kvfabric.ucm_layer.connector.config import ConnectorConfig
+from kvfabric.ucm_layer.connector.metrics import StatsWindow
+from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
+from kvfabric.ucm_layer.connector.tracing import Tracer
+from kvfabric.ucm_layer.delegator import Delegator, DumpOp, LoadOp
+from kvfabric.ucm_layer.kv_layout import KVLayout, layout_from_tensors
+from kvfabric.ucm_layer.store.base import BlockStatus, Store, StoreLayout
+
+log = logging.getLogger("kvfabric.connector")
+
+StoreFactory = Callable[[StoreLayout], Store]
+
+
+def _raw_storage(t: Any) -> Any:
+    """A contiguous byte tensor over the whole storage behind ``t`` (to wrap it once)."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class WorkerSide:
+    """Bookkeeping and data movement of the worker role (see module docstring)."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        platform: Platform,
+        store_factory: StoreFactory,
+        *,
+        rank: int = 0,
+        mla: bool = False,
+        load: bool = True,
+        save: bool = True,
+        tracer: Tracer | None = None,
+        compute_done: Callable[[], Event | None] | None = None,
+    ) -> None:
+        self.cfg, self.platform = cfg, platform
+        self._store_factory = store_factory
+        self.rank, self.mla = rank, mla
+        self.can_load, self.can_save = load, save and (rank == 0 or not mla)
+        self.tracer = tracer or Tracer(None)
+        self._compute_done = compute_done or (lambda: None)
+        self.stats = StatsWindow()
+        self.layout: KVLayout | None = None
+        self.store: Store | None = None
+        self.delegator: Delegator | None = None
+        self._wrapped: list[Any] = []
+        self._layer_index: dict[str, int] = {}
+        self._layer_loads: dict[int, tuple[LoadOp, np.ndarray, float]] = {}
+        self._layer_dump_rows: tuple[np.ndarray, np.ndarray, list[Transfer]] | None = None
+        self._dumps: dict[str, list[DumpOp]] = {}
+        self._awaiting: set[str] = set()
+        self._failed: set[int] = set()
+        self._load_trouble = False
+        self._save_trouble = False
+
+    # ------------------------------------------------------------------ setup
+    def register(
+        self, kv_caches: Mapping[str, Any], num_blocks: int, block_strides: Mapping[str, int] | None = None
+    ) -> KVLayout:
+        if self.layout is not None:
+            raise ValueError("register was already called for this worker")
+        layout = layout_from_tensors(kv_caches, num_blocks, block_strides)
+        seen: set[int] = set()
+        for value in kv_caches.values():
+            for t in value if isinstance(value, (tuple, list)) else [value]:
+                ptr = int(t.untyped_storage().data_ptr())
+                if ptr in seen:
+                    continue
+                seen.add(ptr)
+                raw = _raw_storage(t)
+                medium = (
+                    Medium.HBM if (raw.device.type != "cpu" or self.platform.name == "sim") else Medium.DRAM
+                )
+                self._wrapped.append(self.platform.wrap(raw, medium))
+        self.store = self._store_factory(
+            Delegator.store_layout(layout, self.cfg.delegator, self.cfg.layerwise)
+        )
+        self.delegator = Delegator(
+            self.platform,
+            layout,
+            self.store,
+            enabled=self.cfg.delegator,
+            layerwise=self.cfg.layerwise,
+            staging_blocks=self.cfg.staging_blocks,
+        )
+        self._layer_index = {name: i for i, name in enumerate(layout.layer_names)}
+        self.layout = layout
+        log.info(
+            "kvfabric worker rank %d: %d layers, %d pieces/block, %d B/block, %d blocks, store %s%s",
+            self.rank,
+            layout.num_layers,
+            layout.pieces,
+            layout.block_bytes,
+            num_blocks,
+            self.cfg.store,
+            " (MLA: rank 0 dumps)" if self.mla else "",
+        )
+        return layout
+
+    def _tag(self, ids: np.ndarray) -> np.ndarray:
+        return hashing.tag(ids, 0 if self.mla else self.rank, 0)
+
+    @staticmethod
+    def _join(items: list[Transfer]) -> tuple[np.ndarray, np.ndarray]:
+        if not items:
+            return np.zeros((0, 16), np.uint8), np.zeros(0, np.int64)
+        return np.concatenate([t.ids for t in items]), np.concatenate([t.blocks for t in items])
+
+    # ------------------------------------------------------------------ loads
+    def start_load(self, plan: StepPlan) -> None:
+        self._layer_loads.clear()
+        if not plan.loads or self.delegator is None or not self.can_load:
+            return
+        ids, blocks = self._join(plan.loads)
+        ids = self._tag(ids)
+        t0 = time.perf_counter()
+        if self.cfg.layerwise:
+            for layer in range(self.delegator.layout.num_layers):
+                try:
+                    op = self.delegator.load(ids, blocks, layer=layer)
+                except Exception as e:  # noqa: BLE001 - a failed load is a recompute
+                    self._load_failed(blocks, f"{type(e).__name__}: {e}")
+                    return
+                self._layer_loads[layer] = (op, blocks, t0)
+            return
+        start_ns = time.time_ns()
+        try:
+            status = self.delegator.load(ids, blocks).wait(self.cfg.load_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a failed load is a recompute
+            self._load_failed(blocks, f"{type(e).__name__}: {e}")
+            return
+        self._load_done(blocks, status, time.perf_counter() - t0, self.delegator.layout.block_bytes)
+        self._spans("kvfabric.load", plan.loads, status, start_ns)
+
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        entry = self._layer_loads.pop(layer, None) if layer is not None else None
+        if entry is None:
+            return
+        op, blocks, t0 = entry
+        try:
+            status = op.wait(self.cfg.load_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a failed load is a recompute
+            self._load_failed(blocks, f"{type(e).__name__}: {e}")
+            return
+        assert self.delegator is not None
+        self._load_done(
+            blocks, status, time.perf_counter() - t0, self.delegator.layout.layer_bytes(layer), layer
+        )
+
+    def _spans(self, name: str, items: list[Transfer], status: np.ndarray | None, start_ns: int) -> None:
+        """One span per request of a batched transfer (no-op without an endpoint)."""
+        if not self.tracer.enabled or self.delegator is None:
+            return
+        end_ns, row = time.time_ns(), 0
+        for t in items:
+            n = int(t.blocks.size)
+            ok = n if status is None else int((status[row : row + n] == BlockStatus.OK).sum())
+            row += n
+            hit = ok * t.block_size
+            self.tracer.record(
+                name,
+                start_ns,
+                end_ns,
+                req_id=t.req_id,
+                blocks=ok,
+                bytes=ok * self.delegator.layout.block_bytes,
+                requested_tokens=t.requested_tokens,
+                hit_tokens=hit,
+                hit_rate=hit / t.requested_tokens if t.requested_tokens else 0.0,
+            )
+
+    def _load_done(
+        self, blocks: np.ndarray, status: np.ndarray, secs: float, block_bytes: int, layer: int | None = None
+    ) -> None:
+        ok = status == BlockStatus.OK
+        bad = blocks[~ok]
+        if bad.size:
+            kinds = sorted({BlockStatus(int(s)).name for s in status[~ok]})
+            self._load_failed(bad, f"{bad.size} of {blocks.size} blocks {'/'.join(kinds)}")
+        elif self._load_trouble:
+            log.warning("kvfabric: loads from the store succeed again")
+            self._load_trouble = False
+        n = int(ok.sum())
+        if layer in (None, 0):  # a block counts once, however many layers it arrives in
+            self.stats.add(loaded_blocks=n)
+        self.stats.add(loaded_bytes=n * block_bytes, load_s=secs)
+
+    def _load_failed(self, blocks: np.ndarray, why: str) -> None:
+        self._failed.update(int(b) for b in blocks)
+        self.stats.add(load_failed_blocks=int(blocks.size))
+        if not self._load_trouble:
+            log.warning(
+                "kvfabric: loading KV blocks from the store failed (%s); vLLM recomputes them "
+                "(kv_load_failure_policy='recompute'). Further failures are counted, not logged.",
+                why,
+            )
+            self._load_trouble = True
+
+    def failed_blocks(self) -> set[int]:
+        out, self._failed = self._failed, set()
+        return out
+
+    # ------------------------------------------------------------------ saves
+    def save_layer(self, layer_name: str, plan: StepPlan | None) -> None:
+        if not self.cfg.layerwise or plan is None or not plan.dumps or not self.can_save:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None or self.delegator is None:
+            return
+        if self._layer_dump_rows is None or self._layer_dump_rows[2] is not plan.dumps:
+            ids, blocks = self._join(plan.dumps)
+            self._layer_dump_rows = (self._tag(ids), blocks, plan.dumps)
+        ids, blocks, items = self._layer_dump_rows
+        self._start_dumps(items, ids, blocks, layer)
+
+    def wait_for_save(self, plan: StepPlan | None) -> None:
+        self._layer_dump_rows = None
+        if plan is None:
+            return
+        if plan.dumps and not self.cfg.layerwise and self.can_save and self.delegator is not None:
+            ids, blocks = self._join(plan.dumps)
+            self._start_dumps(plan.dumps, self._tag(ids), blocks, None)
+        self._awaiting |= plan.finished
+        if plan.preempted:
+            self.preempted(plan.preempted)
+
+    def _start_dumps(
+        self, items: list[Transfer], ids: np.ndarray, blocks: np.ndarray, layer: int | None
+    ) -> None:
+        assert self.delegator is not None
+        if layer in (None, 0):
+            self._spans("kvfabric.dump", items, None, time.time_ns())
+        try:
+            op = self.delegator.dump(ids, blocks, after=self._compute_done(), layer=layer)
+        except Exception as e:  # noqa: BLE001 - a failed dump is a future miss
+            self._save_failed(int(blocks.size), f"{type(e).__name__}: {e}")
+            return
+        op.started = time.perf_counter()  # type: ignore[attr-defined]
+        for t in items:  # every request of the batch waits for the one op
+            self._dumps.setdefault(t.req_id, []).append(op)
+
+    def _save_failed(self, n: int, why: str) -> None:
+        self.stats.add(save_failed_blocks=n)
+        if not self._save_trouble:
+            log.warning("kvfabric: storing KV blocks failed (%s); later requests will miss them", why)
+            self._save_trouble = True
+
+    def _reap(self, block: bool = False) -> None:
+        """Collect the statuses of finished dump ops (all of them when ``block``)."""
+        if self.delegator is None:
+            return
+        seen: set[int] = set()
+        for ops in self._dumps.values():
+            for op in ops:
+                if id(op) in seen or op.waited or not (block or op.done()):
+                    continue
+                seen.add(id(op))
+                status = op.wait()
+                good = int((status == BlockStatus.OK).sum())
+                if good < status.size:
+                    self._save_failed(
+                        status.size - good, f"{status.size - good} of {status.size} blocks failed"
+                    )
+                elif self._save_trouble:
+                    self._save_trouble = False
+                per_block = self.delegator.layout.block_bytes  # type: ignore[union-attr]
+                if op.layer is not None:
+                    per_block = self.delegator.layout.layer_bytes(op.layer)  # type: ignore[union-attr]
+                secs = time.perf_counter() - getattr(op, "started", time.perf_counter())
+                if op.layer in (None, 0):
+                    self.stats.add(saved_blocks=good)
+                self.stats.add(saved_bytes=good * per_block, save_s=secs)
+
+    def preempted(self, req_ids: set[str]) -> None:
+        for r in req_ids:
+            for op in self._dumps.get(r, []):
+                while not op.released():
+                    time.sleep(0.0005)
+
+    def finished(self) -> set[str]:
+        """Requests of earlier ``plan.finished`` whose dumps released their blocks."""
+        self._reap()
+        done = set()
+        for r in self._awaiting:
+            ops = self._dumps.get(r, [])
+            if all(op.released() for op in ops):
+                done.add(r)
+        for r in done:
+            self._awaiting.discard(r)
+            self._dumps.pop(r, None)
+        # requests whose last ops are all waited and not awaited any more keep nothing
+        return done
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if self.delegator is not None:
+            self._reap(block=True)
+            self.delegator.close()
+            self.delegator = None
+        for buf in self._wrapped:
+            if not buf.freed and not self.platform.closed:
+                self.platform.free(buf)
+        self._wrapped.clear()
