@@ -119,6 +119,7 @@ class PoolClient:
             info["rendezvous"], self.platform, windows, rank=rank, config=gva_config(info)
         )
         self.rank = self.fabric.rank
+        self.fabric.on_evicted(lambda why: log.info("pool rank %s left the fabric: %s", self.rank, why))
         self.dp = FabricDataPlane(self.fabric)
         if self._window is not None:  # the service places objects here once it saw us join
             deadline = time.monotonic() + JOIN_VISIBLE_S

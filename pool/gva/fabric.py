@@ -106,6 +106,7 @@ class Fabric:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._subs: list[Callable[[MembershipChange], None]] = []
+        self._on_evicted: list[Callable[[str], None]] = []
         self._view = View(SegmentTable.derive(membership.MembershipRecord()), -1, {})
         self._monitor: Monitor | None = None
         self._evicted_reason = ""
@@ -300,11 +301,24 @@ class Fabric:
 
     def _session_lost(self, err: BaseException) -> None:
         with self._lock:
-            if self.state is FabricState.JOINED:
+            evicted = self.state is FabricState.JOINED
+            if evicted:
                 self.state = FabricState.EVICTED
                 self._evicted_reason = f"rendezvous session lost: {err}"
-                log.error("rank %d evicted: %s", self.rank, err)
+            handlers = list(self._on_evicted)
             self._cond.notify_all()
+        if not evicted:
+            return
+        if not handlers:
+            log.error("rank %d evicted: %s", self.rank, err)
+        for fn in handlers:
+            fn(self._evicted_reason)
+
+    def on_evicted(self, fn: Callable[[str], None]) -> None:
+        """Call ``fn(reason)`` instead of logging an error when this rank loses its session
+        (an owner that reports the failure itself, e.g. a pool client, registers one)."""
+        with self._lock:
+            self._on_evicted.append(fn)
 
     # ------------------------------------------------------------------ queries
     @property
