@@ -229,8 +229,9 @@ class WorkerSide:
         self.stats.add(load_failed_blocks=int(blocks.size))
         if not self._load_trouble:
             log.warning(
-                "kvfabric: loading KV blocks from the store failed (%s); vLLM recomputes them "
+                "kvfabric: loading KV blocks from the store %r failed (%s); vLLM recomputes them "
                 "(kv_load_failure_policy='recompute'). Further failures are counted, not logged.",
+                self.cfg.store,
                 why,
             )
             self._load_trouble = True
