@@ -1,0 +1,91 @@
+"""GSA's block summary: a rank-r SVD basis joined with a max-norm of the residual.
+
+For each KV head, ``U (D, r)`` holds the top-r right singular vectors of the prompt's keys
+(fitted at prefill from ``K^T K``, in float64). A block of keys ``k`` keeps
+
+    M_i  = max_k (U^T k)_i + tau_k          (r numbers)
+    -m_i = max_k -(U^T k)_i + tau_k         (r numbers; stored negated, so every row is a max)
+    R    = max_k |k - U U^T k| + tau_k      (1 number)
+
+with ``tau_k = margin * |k|`` (a relative 1e-5 by default) absorbing float32 rounding.
+For a query ``q`` with ``p = U^T q`` and ``q_res = q - U p``:
+
+    bound = sum_i max(p_i M_i, p_i m_i) + |q_res| R  >=  q . k   for every key of the block,
+
+because ``q.k = p.(U^T k) + q_res.k_res`` (the residual is orthogonal to U) and each term is
+bounded separately (Cauchy-Schwarz for the residual); the margins add at least
+``|q| tau_k`` to the bound. With ``p+ = max(p, 0)`` and ``p- = max(-p, 0)`` the bound is
+one matrix product ``[M, -m, R] . [p+, p-, |q_res|]``, so scoring reads ``2r + 1`` numbers
+per block (Quest reads ``2D``). Rows are max-reductions, so a block is updated in place as
+its keys arrive during decode (``RowMaxScorer``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfabric.ucm_layer.sparse.scorer import RowMaxScorer
+
+_GRAM_CHUNK = 16384
+
+
+def fit_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
+    """``(H, D, rank)`` orthonormal bases: the top right singular vectors of each head's
+    keys ``(H, N, D)`` (eigenvectors of ``K^T K`` in float64, largest first)."""
+    h, n, d = keys.shape
+    gram = torch.zeros((h, d, d), dtype=torch.float64, device=keys.device)
+    for s in range(0, n, _GRAM_CHUNK):
+        c = keys[:, s : s + _GRAM_CHUNK].to(torch.float64)
+        gram += torch.matmul(c.transpose(1, 2), c)
+    _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+    q, _ = torch.linalg.qr(vecs[:, :, -rank:].flip(-1))  # re-orthonormalise before the cast
+    return q.to(keys.dtype).contiguous()
+
+
+class SvdMaxNormScorer(RowMaxScorer):
+    """GSA's bound (see the module docstring): ``rank`` of ``head_dim`` dimensions."""
+
+    name = "gsa"
+    combine = "softmax"
+
+    def __init__(
+        self, num_kv_heads: int, head_dim: int, block_size: int, rank: int = 16, margin: float = 1e-5
+    ) -> None:
+        super().__init__(num_kv_heads, head_dim, block_size)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= head_dim:
+            raise ValueError(f"rank must be an int in [1, head_dim={head_dim}], got {rank!r}")
+        if not 0.0 <= float(margin) < 1e-2:
+            raise ValueError(f"margin must be in [0, 0.01), got {margin!r}")
+        self.rank = rank
+        self.margin = float(margin)
+        self.basis: torch.Tensor | None = None  # (H, D, r)
+
+    @property
+    def row_width(self) -> int:
+        return 2 * self.rank + 1
+
+    def _basis(self) -> torch.Tensor:
+        if self.basis is None:
+            raise ValueError("the scorer has no basis yet: call fit() with the prompt's keys first")
+        return self.basis
+
+    def _fit(self, keys: torch.Tensor) -> None:
+        self.basis = fit_basis(keys, self.rank)
+        super()._fit(keys)
+
+    def key_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        basis = self._basis()
+        p = torch.matmul(keys, basis)  # (H, n, r)
+        res = keys - torch.matmul(p, basis.transpose(1, 2))
+        tau = keys.norm(dim=-1, keepdim=True) * self.margin
+        return torch.cat([p + tau, tau - p, res.norm(dim=-1, keepdim=True) + tau], dim=-1)
+
+    def query_weights(self, q: torch.Tensor) -> torch.Tensor:
+        """``(H, G, 2r + 1)``: ``[p+, p-, |q_res|]`` for queries ``q (H, G, D)``."""
+        basis = self._basis()
+        p = torch.matmul(q, basis)
+        qres = (q - torch.matmul(p, basis.transpose(1, 2))).norm(dim=-1, keepdim=True)
+        return torch.cat([p.clamp(min=0), (-p).clamp(min=0), qres], dim=-1)
+
+
+__all__ = ["SvdMaxNormScorer", "fit_basis"]
