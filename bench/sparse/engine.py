@@ -142,6 +142,34 @@ class PagedEngine:
             self.finish(rid)
             raise
 
+    @torch.inference_mode()
+    def add_prefilled(self, rid: str, prompt: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Admit a request whose prompt was already run densely elsewhere: ``k, v (L, Hkv, T, D)``
+        go into the paged cache through the same slot mapping and hooks as a prefill step
+        (prefill attention is dense, so only the hooks' view of the keys matters)."""
+        c = self.model.cfg
+        if k.shape != (c.num_layers, c.num_kv_heads, len(prompt), c.head_dim) or v.shape != k.shape:
+            raise ValueError(f"k/v must be (layers, kv heads, {len(prompt)}, head_dim), got {tuple(k.shape)}")
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} exists")
+        self.plugin.request_begin(rid, len(prompt))
+        req = self.requests[rid] = _Request(list(prompt), [], len(prompt))
+        try:
+            self._grow(req, rid, req.seq_len)
+            batch = StepBatch((rid,), (req.seq_len,), (req.seq_len,))
+            attn = self._metadata([rid], [req.seq_len])
+            meta = self.plugin.build_sparse_meta(batch, attn)
+            q = torch.zeros((len(prompt), c.num_heads, c.head_dim))
+            for layer in range(c.num_layers):
+                kl, vl = k[layer].transpose(0, 1), v[layer].transpose(0, 1)
+                self._write(self.kv[layer], attn, kl, vl, [(0, len(prompt))])
+                self.plugin.attention_begin(layer, q, kl, vl, self.kv[layer], attn, meta)
+                self.plugin.attention_finished(layer, q, kl, vl, q.flatten(1), self.kv[layer], attn, meta)
+            self.plugin.execute_finished(meta)
+        except BaseException:
+            self.finish(rid)
+            raise
+
     def decode(self, rids: list[str], tokens: list[int]) -> torch.Tensor:
         """One decode step: token ``tokens[i]`` appended to request ``rids[i]``; logits ``(B, vocab)``."""
         return self._step(list(rids), [[t] for t in tokens])
@@ -154,7 +182,7 @@ class PagedEngine:
             for _ in range(max_new):
                 nxt = int(logits.argmax())
                 out.append(nxt)
-                if nxt == stop:
+                if nxt == stop or len(out) == max_new:
                     break
                 logits = self.decode([rid], [nxt])[0]
             return out

@@ -87,69 +87,74 @@ def evaluate(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    budget: int,
+    budgets: Sequence[int],
     block_size: int = 16,
     needles: Sequence[tuple[int, int, int]] = (),
-    sel: SelectionConfig | None = None,
-) -> Quality:
-    """Quality of ``method`` at a ``budget`` of tokens (see the module docstring)."""
+    sink_blocks: int = 1,
+    recent_blocks: int = 2,
+) -> list[Quality]:
+    """Quality of ``method`` at each token budget (see the module docstring); the scorer is
+    fitted once on ``k`` and queried with every step of ``q``."""
     steps, h, g, d = q.shape
     n = k.shape[1]
-    nb = -(-n // block_size)
-    sel = sel or SelectionConfig(budget_tokens=budget)
-    kb = sel.num_selected(n, block_size)
-    sink, recent = forced_blocks(nb, sel)
     scorer = make_scorer(method.scorer, h, d, block_size, **dict(method.options or {}))
     scorer.fit(k)
+    nb = -(-n // block_size)
     pad = nb * block_size - n
     kc = torch.nn.functional.pad(k, (0, 0, 0, pad)).reshape(h, nb, block_size, d)
     vc = torch.nn.functional.pad(v, (0, 0, 0, pad)).reshape(h, nb, block_size, d)
     vnorm = v.norm(dim=-1).mean(-1)  # (H,)
-    recalls, oracles, errs, hits = [], [], [], []
-    picks = []
-    masses = []
-    for s in range(steps):
-        p = torch.softmax(torch.matmul(q[s], k.transpose(1, 2)) / math.sqrt(d), dim=-1)
-        bm = block_mass(p, block_size)
-        masses.append(bm)
-        free = _free_topk(scorer.scores(q[s]), nb, kb, sel)
-        picks.append(free)
-        recalls.append(_recall(bm, free, nb, sel))
-        oracles.append(_recall(bm, _free_topk(bm.sum(1), nb, kb, sel), nb, sel))
-        table = torch.cat(
-            [torch.arange(sink).expand(h, sink), free, torch.arange(nb - recent, nb).expand(h, recent)], 1
+    probs = [torch.softmax(torch.matmul(q[s], k.transpose(1, 2)) / math.sqrt(d), dim=-1) for s in range(steps)]
+    masses = [block_mass(p, block_size) for p in probs]
+    scores = [scorer.scores(q[s]) for s in range(steps)]
+    out = []
+    for budget in budgets:
+        sel = SelectionConfig(budget_tokens=budget, sink_blocks=sink_blocks, recent_blocks=recent_blocks)
+        kb = sel.num_selected(n, block_size)
+        sink, recent = forced_blocks(nb, sel)
+        recalls, oracles, errs, hits, picks = [], [], [], [], []
+        for s in range(steps):
+            bm = masses[s]
+            free = _free_topk(scores[s], nb, kb, sel)
+            picks.append(free)
+            recalls.append(_recall(bm, free, nb, sel))
+            oracles.append(_recall(bm, _free_topk(bm.sum(1), nb, kb, sel), nb, sel))
+            table = torch.cat(
+                [torch.arange(sink).expand(h, sink), free, torch.arange(nb - recent, nb).expand(h, recent)], 1
+            )
+            mask = block_mask(lens_of(table, n, block_size), block_size, h)
+            o_sparse = attend(q[s], gather_blocks(kc, table), gather_blocks(vc, table), mask)
+            o_dense = torch.matmul(probs[s], v)
+            errs.append((o_sparse - o_dense).norm(dim=-1) / vnorm.unsqueeze(1))
+            chosen = torch.zeros((h, nb), dtype=torch.bool)
+            chosen.scatter_(1, table, True)
+            for head, a, b in needles:
+                hits.append(float(chosen[head, a // block_size : b // block_size + 1].all()))
+        stale = {}
+        for lag in (1, 3):
+            vals = [_recall(masses[s + lag], picks[s], nb, sel) for s in range(steps - lag)]
+            stale[lag] = float(torch.stack(vals).median()) if vals else float("nan")
+        rec, orc, err = torch.stack(recalls), torch.stack(oracles), torch.stack(errs)
+        summary = scorer.summary_bytes_per_block * nb
+        out.append(
+            Quality(
+                method=method.label,
+                context=n,
+                budget=budget,
+                recall=float(rec.median()),
+                recall_p10=_pct(rec, 0.1),
+                oracle_recall=float(orc.median()),
+                recall_vs_oracle=float(rec.median() / orc.median().clamp(min=1e-12)),
+                out_err=float(err.median()),
+                out_err_p90=_pct(err, 0.9),
+                needle_hit=sum(hits) / len(hits) if hits else float("nan"),
+                recall_stale1=stale[1],
+                recall_stale3=stale[3],
+                summary_numbers=scorer.numbers_per_block,
+                bytes_frac=(summary + kb * block_size * d * 2 * 4) / (2.0 * n * d * 4),
+            )
         )
-        mask = block_mask(lens_of(table, n, block_size), block_size, h)
-        o_sparse = attend(q[s], gather_blocks(kc, table), gather_blocks(vc, table), mask)
-        o_dense = torch.matmul(p, v)
-        errs.append((o_sparse - o_dense).norm(dim=-1) / vnorm.unsqueeze(1))
-        chosen = torch.zeros((h, nb), dtype=torch.bool)
-        chosen.scatter_(1, table, True)
-        for head, a, b in needles:
-            hits.append(float(chosen[head, a // block_size : b // block_size + 1].all()))
-    stale = {}
-    for lag in (1, 3):
-        vals = [_recall(masses[s + lag], picks[s], nb, sel) for s in range(steps - lag)]
-        stale[lag] = float(torch.stack(vals).median()) if vals else float("nan")
-    rec, orc, err = torch.stack(recalls), torch.stack(oracles), torch.stack(errs)
-    summary = scorer.summary_bytes_per_block * nb
-    dense_bytes = 2.0 * n * d * 4
-    return Quality(
-        method=method.label,
-        context=n,
-        budget=budget,
-        recall=float(rec.median()),
-        recall_p10=_pct(rec, 0.1),
-        oracle_recall=float(orc.median()),
-        recall_vs_oracle=float(rec.median() / orc.median().clamp(min=1e-12)),
-        out_err=float(err.median()),
-        out_err_p90=_pct(err, 0.9),
-        needle_hit=sum(hits) / len(hits) if hits else float("nan"),
-        recall_stale1=stale[1],
-        recall_stale3=stale[3],
-        summary_numbers=scorer.numbers_per_block,
-        bytes_frac=(summary + kb * block_size * d * 2 * 4) / dense_bytes,
-    )
+    return out
 
 
 __all__ = ["MethodSpec", "Quality", "block_mass", "evaluate"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfabric.bench.sparse.engine import PagedEngine
-from kvfabric.bench.sparse.llama import Llama
+from kvfabric.bench.sparse.llama import Capture, Llama
 from kvfabric.bench.sparse.model import Tokenizer
 from kvfabric.ucm_layer.sparse.base import ModelSpec, create
 
@@ -61,18 +61,26 @@ def spec_for(model: Llama, block_size: int) -> ModelSpec:
     return ModelSpec(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, block_size)
 
 
+def prefill(model: Llama, pk: Passkey, capture_last: int = 4) -> Capture:
+    """Dense prefill of all but the last prompt token, capturing q/k/v."""
+    _, cap = model.prefill(torch.tensor(pk.ids[:-1]), capture_last=capture_last)
+    if cap is None:
+        raise RuntimeError("prefill returned no capture")
+    return cap
+
+
 def answer(
-    model: Llama, tok: Tokenizer, pk: Passkey, method: str, config: dict, block_size: int = 16,
-    max_new: int = 7,
+    model: Llama, tok: Tokenizer, pk: Passkey, cap: Capture, method: str, config: dict,
+    block_size: int = 16, max_new: int = 7,
 ) -> tuple[str, torch.Tensor, dict[str, float]]:
-    """Greedy answer of ``method`` (through the engine's hooks), the logits of the first
-    answer token, and the plugin's statistics."""
+    """Greedy answer of ``method`` through the engine's hooks, the logits of the first
+    answer token, and the plugin's statistics. The prompt's KV comes from ``cap`` (a dense
+    prefill of all but its last token); the last prompt token runs as a decode step, so its
+    attention, and the first answer token, already go through the plugin."""
     plugin = create(method, spec_for(model, block_size), config)
     nblocks = -(-(len(pk.ids) + max_new) // block_size) + 2
     eng = PagedEngine(model, plugin, num_blocks=nblocks, block_size=block_size)
-    # prefill all but the last prompt token; the last one runs as a decode step, so its
-    # attention (and the first answer token) already goes through the plugin
-    eng.add_request("r", pk.ids[:-1])
+    eng.add_prefilled("r", pk.ids[:-1], cap.k, cap.v)
     first = eng.decode(["r"], [pk.ids[-1]])[0]
     out = [int(first.argmax())]
     for _ in range(max_new - 1):
@@ -95,4 +103,4 @@ def top2pct_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[float, float]:
     return float(torch.topk(p, top, -1).values.sum(-1).median()), float(p[..., :16].sum(-1).median())
 
 
-__all__ = ["Passkey", "answer", "digits", "kl_div", "passkey_prompt", "spec_for", "top2pct_stats"]
+__all__ = ["Passkey", "answer", "prefill", "digits", "kl_div", "passkey_prompt", "spec_for", "top2pct_stats"]

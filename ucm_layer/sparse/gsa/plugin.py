@@ -276,7 +276,7 @@ class GSA(BlockSparseAttention):
 
     name = "gsa"
     scorer_name = "gsa"
-    scorer_keys = ("rank", "margin")
+    scorer_keys = ("rank", "margin", "basis_tokens")
 
 
 __all__ = ["GSA", "BlockSparseAttention", "LayerState", "RequestState"]

@@ -29,9 +29,12 @@ from kvfabric.ucm_layer.sparse.scorer import RowMaxScorer
 _GRAM_CHUNK = 16384
 
 
-def fit_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
+def fit_basis(keys: torch.Tensor, rank: int, max_tokens: int = 65536) -> torch.Tensor:
     """``(H, D, rank)`` orthonormal bases: the top right singular vectors of each head's
-    keys ``(H, N, D)`` (eigenvectors of ``K^T K`` in float64, largest first)."""
+    keys ``(H, N, D)`` (eigenvectors of ``K^T K`` in float64, largest first). Beyond
+    ``max_tokens`` keys, an evenly strided sample of them is used."""
+    if keys.shape[1] > max_tokens:
+        keys = keys[:, :: -(-keys.shape[1] // max_tokens)]
     h, n, d = keys.shape
     gram = torch.zeros((h, d, d), dtype=torch.float64, device=keys.device)
     for s in range(0, n, _GRAM_CHUNK):
@@ -49,13 +52,22 @@ class SvdMaxNormScorer(RowMaxScorer):
     combine = "softmax"
 
     def __init__(
-        self, num_kv_heads: int, head_dim: int, block_size: int, rank: int = 16, margin: float = 1e-5
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        rank: int = 16,
+        margin: float = 1e-5,
+        basis_tokens: int = 65536,
     ) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= head_dim:
             raise ValueError(f"rank must be an int in [1, head_dim={head_dim}], got {rank!r}")
         if not 0.0 <= float(margin) < 1e-2:
             raise ValueError(f"margin must be in [0, 0.01), got {margin!r}")
+        if isinstance(basis_tokens, bool) or not isinstance(basis_tokens, int) or basis_tokens < rank:
+            raise ValueError(f"basis_tokens must be an int >= rank, got {basis_tokens!r}")
+        self.basis_tokens = basis_tokens
         self.rank = rank
         self.margin = float(margin)
         self.basis: torch.Tensor | None = None  # (H, D, r)
@@ -70,7 +82,7 @@ class SvdMaxNormScorer(RowMaxScorer):
         return self.basis
 
     def _fit(self, keys: torch.Tensor) -> None:
-        self.basis = fit_basis(keys, self.rank)
+        self.basis = fit_basis(keys, self.rank, self.basis_tokens)
         super()._fit(keys)
 
     def key_rows(self, keys: torch.Tensor) -> torch.Tensor:
