@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
     b.add_argument("--json", action="store_true", help="one JSON object per line")
     b.add_argument("--rounds", type=int, default=5, help="rounds per case (median reported; >= 5)")
-    b.add_argument("--out", default="bench-results", help="directory for plots and files (default ./bench-results)")
+    b.add_argument(
+        "--out", default="bench-results", help="directory for plots and files (default ./bench-results)"
+    )
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads for timed work (gsa)")
     b.set_defaults(fn=cmd_bench)
     s = sub.add_parser("shm", help="list or sweep kvfabric shared-memory segments")

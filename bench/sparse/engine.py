@@ -49,8 +49,10 @@ class PagedEngine:
         need = self.plugin.estimate_num_slots(rid, seq_len)
         while len(req.blocks) < need:
             if not self._free:
-                raise OutOfSpace(f"request {rid!r} needs {need} blocks; the engine's pool of "
-                                 f"{self.kv[0].num_blocks} is exhausted")
+                raise OutOfSpace(
+                    f"request {rid!r} needs {need} blocks; the engine's pool of "
+                    f"{self.kv[0].num_blocks} is exhausted"
+                )
             req.blocks.append(self._free.pop())
 
     def _metadata(self, rids: list[str], num_new: list[int]) -> AttentionMetadata:
@@ -75,8 +77,14 @@ class PagedEngine:
             slots.append(slot)
         return AttentionMetadata(tables, lens, seqs, slots)
 
-    def _write(self, kv: LayerKV, attn: AttentionMetadata, k: torch.Tensor, v: torch.Tensor,
-               ranges: list[tuple[int, int]]) -> None:
+    def _write(
+        self,
+        kv: LayerKV,
+        attn: AttentionMetadata,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ranges: list[tuple[int, int]],
+    ) -> None:
         for i, (t0, t1) in enumerate(ranges):
             slot = attn.slot_mapping[i]
             keep = slot[:, 0] >= 0
@@ -117,7 +125,9 @@ class PagedEngine:
             for i, (t0, t1) in enumerate(ranges):
                 if t1 - t0 > 1:  # prefill (or a chunk): causal over the step's own tokens
                     if batch.seq_lens[i] != t1 - t0:
-                        raise ValueError("chunked prefill after earlier tokens is not supported by this engine")
+                        raise ValueError(
+                            "chunked prefill after earlier tokens is not supported by this engine"
+                        )
                     outs.append(self.model.causal_attention(q[t0:t1], k[t0:t1], v[t0:t1]))
                 else:
                     qh = q[t0].view(c.num_kv_heads, g, c.head_dim)

@@ -95,7 +95,7 @@ def evaluate(
 ) -> list[Quality]:
     """Quality of ``method`` at each token budget (see the module docstring); the scorer is
     fitted once on ``k`` and queried with every step of ``q``."""
-    steps, h, g, d = q.shape
+    steps, h, _, d = q.shape
     n = k.shape[1]
     scorer = make_scorer(method.scorer, h, d, block_size, **dict(method.options or {}))
     scorer.fit(k)
@@ -104,7 +104,9 @@ def evaluate(
     kc = torch.nn.functional.pad(k, (0, 0, 0, pad)).reshape(h, nb, block_size, d)
     vc = torch.nn.functional.pad(v, (0, 0, 0, pad)).reshape(h, nb, block_size, d)
     vnorm = v.norm(dim=-1).mean(-1)  # (H,)
-    probs = [torch.softmax(torch.matmul(q[s], k.transpose(1, 2)) / math.sqrt(d), dim=-1) for s in range(steps)]
+    probs = [
+        torch.softmax(torch.matmul(q[s], k.transpose(1, 2)) / math.sqrt(d), dim=-1) for s in range(steps)
+    ]
     masses = [block_mass(p, block_size) for p in probs]
     scores = [scorer.scores(q[s]) for s in range(steps)]
     out = []

@@ -125,8 +125,15 @@ def load(path: Path | None = None) -> tuple[LlamaConfig, dict[str, torch.Tensor]
         context_length=int(_field(reader, "llama.context_length")),
     )
     names = {
-        "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo", "ffn_gate": "w_gate",
-        "ffn_up": "w_up", "ffn_down": "w_down", "attn_norm": "attn_norm", "ffn_norm": "ffn_norm",
+        "attn_q": "wq",
+        "attn_k": "wk",
+        "attn_v": "wv",
+        "attn_output": "wo",
+        "ffn_gate": "w_gate",
+        "ffn_up": "w_up",
+        "ffn_down": "w_down",
+        "attn_norm": "attn_norm",
+        "ffn_norm": "ffn_norm",
     }
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

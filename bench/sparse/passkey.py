@@ -19,9 +19,7 @@ from kvfabric.bench.sparse.llama import Capture, Llama
 from kvfabric.bench.sparse.model import Tokenizer
 from kvfabric.ucm_layer.sparse.base import ModelSpec, create
 
-_FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
+_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 _INTRO = (
     "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the pass key later.\n"
@@ -70,8 +68,14 @@ def prefill(model: Llama, pk: Passkey, capture_last: int = 4) -> Capture:
 
 
 def answer(
-    model: Llama, tok: Tokenizer, pk: Passkey, cap: Capture, method: str, config: dict,
-    block_size: int = 16, max_new: int = 7,
+    model: Llama,
+    tok: Tokenizer,
+    pk: Passkey,
+    cap: Capture,
+    method: str,
+    config: dict,
+    block_size: int = 16,
+    max_new: int = 7,
 ) -> tuple[str, torch.Tensor, dict[str, float]]:
     """Greedy answer of ``method`` through the engine's hooks, the logits of the first
     answer token, and the plugin's statistics. The prompt's KV comes from ``cap`` (a dense
@@ -103,4 +107,4 @@ def top2pct_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[float, float]:
     return float(torch.topk(p, top, -1).values.sum(-1).median()), float(p[..., :16].sum(-1).median())
 
 
-__all__ = ["Passkey", "answer", "prefill", "digits", "kl_div", "passkey_prompt", "spec_for", "top2pct_stats"]
+__all__ = ["Passkey", "answer", "digits", "kl_div", "passkey_prompt", "prefill", "spec_for", "top2pct_stats"]

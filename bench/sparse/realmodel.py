@@ -37,7 +37,9 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def retrieval_needles(q: torch.Tensor, k: torch.Tensor, pk: Passkey, threshold: float = 0.1) -> list[tuple[int, int, int]]:
+def retrieval_needles(
+    q: torch.Tensor, k: torch.Tensor, pk: Passkey, threshold: float = 0.1
+) -> list[tuple[int, int, int]]:
     """(head, first, last) of the passkey sentence for heads whose last query puts at least
     ``threshold`` of its attention on it (``q (S, H, G, D)``, ``k (H, T, D)``)."""
     p = torch.softmax(torch.matmul(q[-1], k.transpose(1, 2)) / q.shape[-1] ** 0.5, dim=-1)
@@ -71,27 +73,53 @@ def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> 
             p = torch.softmax(torch.matmul(q[-1], k.transpose(1, 2)) / d**0.5, dim=-1)
             top = torch.topk(p, max(1, int(0.02 * t)), -1).values.sum(-1)
             sink = block_mass(p, 16)[..., 0]
-            _say(f"smollm2 {len(pk.ids)} tokens: top2pct_mass={float(top.median()):.3f} "
-                 f"sink_mass={float(sink.median()):.3f}; {len(needles)} retrieval heads")
+            _say(
+                f"smollm2 {len(pk.ids)} tokens: top2pct_mass={float(top.median()):.3f} "
+                f"sink_mass={float(sink.median()):.3f}; {len(needles)} retrieval heads"
+            )
             dense_answer, dense_logits, _ = answer(llama, tok, pk, cap, "dense", {})
             base = {"case": "smollm2", "prompt_tokens": len(pk.ids), "passkey": pk.answer}
-            yield {**base, "method": "dense", "context": len(pk.ids), "budget": len(pk.ids), "recall": 1.0,
-                   "oracle_recall": 1.0, "recall_vs_oracle": 1.0, "out_err": 0.0, "needle_hit": 1.0,
-                   "bytes_frac": 1.0, "speedup_vs_dense": 1.0, "answer": dense_answer.strip(),
-                   "passkey_ok": digits(dense_answer) == pk.answer, "kl": 0.0}
+            yield {
+                **base,
+                "method": "dense",
+                "context": len(pk.ids),
+                "budget": len(pk.ids),
+                "recall": 1.0,
+                "oracle_recall": 1.0,
+                "recall_vs_oracle": 1.0,
+                "out_err": 0.0,
+                "needle_hit": 1.0,
+                "bytes_frac": 1.0,
+                "speedup_vs_dense": 1.0,
+                "answer": dense_answer.strip(),
+                "passkey_ok": digits(dense_answer) == pk.answer,
+                "kl": 0.0,
+            }
             for label, plugin, scorer, opts in REAL_METHODS:
                 (qual,) = evaluate(MethodSpec(label, scorer, opts), q, k, v, [budget], needles=needles)
-                got, logits, st = answer(llama, tok, pk, cap, plugin,
-                                         {"budget_tokens": budget, "min_seq_len": 0, **opts})
-                yield {**base, "method": label, "context": len(pk.ids), "budget": budget,
-                       "recall": round(qual.recall, 4), "oracle_recall": round(qual.oracle_recall, 4),
-                       "recall_vs_oracle": round(qual.recall_vs_oracle, 4), "out_err": round(qual.out_err, 4),
-                       "needle_hit": round(qual.needle_hit, 4), "bytes_frac": round(qual.bytes_frac, 4),
-                       "speedup_vs_dense": None, "recall_p10": round(qual.recall_p10, 4),
-                       "recall_stale1": round(qual.recall_stale1, 4), "answer": got.strip(),
-                       "passkey_ok": digits(got) == pk.answer, "same_as_dense": got == dense_answer,
-                       "kl": round(kl_div(dense_logits, logits), 5),
-                       "step_reuse": round(st.get("step_reuse", float("nan")), 3)}
+                got, logits, st = answer(
+                    llama, tok, pk, cap, plugin, {"budget_tokens": budget, "min_seq_len": 0, **opts}
+                )
+                yield {
+                    **base,
+                    "method": label,
+                    "context": len(pk.ids),
+                    "budget": budget,
+                    "recall": round(qual.recall, 4),
+                    "oracle_recall": round(qual.oracle_recall, 4),
+                    "recall_vs_oracle": round(qual.recall_vs_oracle, 4),
+                    "out_err": round(qual.out_err, 4),
+                    "needle_hit": round(qual.needle_hit, 4),
+                    "bytes_frac": round(qual.bytes_frac, 4),
+                    "speedup_vs_dense": None,
+                    "recall_p10": round(qual.recall_p10, 4),
+                    "recall_stale1": round(qual.recall_stale1, 4),
+                    "answer": got.strip(),
+                    "passkey_ok": digits(got) == pk.answer,
+                    "same_as_dense": got == dense_answer,
+                    "kl": round(kl_div(dense_logits, logits), 5),
+                    "step_reuse": round(st.get("step_reuse", float("nan")), 3),
+                }
 
 
 __all__ = ["REAL_METHODS", "retrieval_needles", "smollm2_rows"]

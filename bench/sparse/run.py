@@ -78,15 +78,22 @@ def _synthetic(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> It
         for m in METHODS:
             for q in evaluate(m, w.q, w.k, w.v, budgets, needles=w.needles):
                 sp = speed[(n, q.budget)] if m.scorer == "gsa" and m.options == {"rank": 16} else None
-                yield _row("synthetic", q, sp, top2pct_mass=round(st["top2pct_mass"], 3),
-                           sink_mass=round(st["sink_mass"], 3))
+                yield _row(
+                    "synthetic",
+                    q,
+                    sp,
+                    top2pct_mass=round(st["top2pct_mass"], 3),
+                    sink_mass=round(st["sink_mass"], 3),
+                )
 
 
 def _needles(ctx: BenchContext, contexts: list[int]) -> Iterator[dict[str, Any]]:
     for n in contexts:
         for k in (1, 4, 8):
             w = generate(SyntheticConfig(context=n, heads_per_type=1, needles=k, seed=100 + k))
-            (q,) = evaluate(MethodSpec("gsa-r16", "gsa", {"rank": 16}), w.q, w.k, w.v, [2048], needles=w.needles)
+            (q,) = evaluate(
+                MethodSpec("gsa-r16", "gsa", {"rank": 16}), w.q, w.k, w.v, [2048], needles=w.needles
+            )
             yield _row("needles", q, None, needles=k)
 
 
@@ -95,11 +102,18 @@ def _speed(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterat
         for b in budgets:
             t = time_step(n, b, rounds=ctx.rounds)
             yield {
-                "case": "speed", "method": "gsa-r16", "context": n, "budget": b,
-                "speedup_vs_dense": round(t.speedup, 2), "score_frac": round(t.score_frac, 3),
-                "dense_ms": round(t.dense_s * 1e3, 3), "sparse_ms": round(t.sparse_s * 1e3, 3),
-                "score_ms": round(t.score_s * 1e3, 3), "topk_ms": round(t.topk_s * 1e3, 3),
-                "gather_ms": round(t.gather_s * 1e3, 3), "attend_ms": round(t.attend_s * 1e3, 3),
+                "case": "speed",
+                "method": "gsa-r16",
+                "context": n,
+                "budget": b,
+                "speedup_vs_dense": round(t.speedup, 2),
+                "score_frac": round(t.score_frac, 3),
+                "dense_ms": round(t.dense_s * 1e3, 3),
+                "sparse_ms": round(t.sparse_s * 1e3, 3),
+                "score_ms": round(t.score_s * 1e3, 3),
+                "topk_ms": round(t.topk_s * 1e3, 3),
+                "gather_ms": round(t.gather_s * 1e3, 3),
+                "attend_ms": round(t.attend_s * 1e3, 3),
             }
 
 
@@ -128,8 +142,10 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
             yield row
     busy = cpu_busy_fraction((cpu0, read_cpu_row()))
     other = "busy" if busy > 0.5 + 0.5 / max(1, note["ncpu"] or 1) else "idle"
-    _say(f"gsa bench: {time.perf_counter() - t0:.0f} s; machine busy fraction {busy:.2f} "
-         f"(other cores {other} while it ran)")
+    _say(
+        f"gsa bench: {time.perf_counter() - t0:.0f} s; machine busy fraction {busy:.2f} "
+        f"(other cores {other} while it ran)"
+    )
     from kvfabric.bench.sparse.plots import plot_rows
 
     for p in plot_rows(rows, ctx.options.get("out_dir", "bench-results")):

@@ -100,16 +100,23 @@ def time_step(
 
     reps = max(1, int(2**17 // context))  # small contexts: several calls per timing
     parts: dict[str, list[float]] = {n: [] for n in ("dense", "sparse", "score", "topk", "gather", "attend")}
-    fns = {"dense": dense, "sparse": sparse_step, "score": score, "topk": topk, "gather": gather,
-           "attend": attn_sel}
+    fns = {
+        "dense": dense,
+        "sparse": sparse_step,
+        "score": score,
+        "topk": topk,
+        "gather": gather,
+        "attend": attn_sel,
+    }
     for f in fns.values():
         f()  # warm up
     for _ in range(max(5, rounds)):
         for name, f in fns.items():
             parts[name].append(_median_time(f, reps))
     med = {n: statistics.median(v) for n, v in parts.items()}
-    return StepTiming(context, budget, med["dense"], med["sparse"], med["score"], med["topk"], med["gather"],
-                      med["attend"])
+    return StepTiming(
+        context, budget, med["dense"], med["sparse"], med["score"], med["topk"], med["gather"], med["attend"]
+    )
 
 
 __all__ = ["StepTiming", "time_step"]

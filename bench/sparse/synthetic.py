@@ -1,6 +1,7 @@
 """A synthetic but realistic decode-attention workload, calibrated and self-describing.
 
-Keys per KV head: a non-zero mean with a few outlier channels (large offset and variance),
+Keys per KV head: a non-zero mean with a few outlier channels (large offset and variance,
+in low-frequency rotary dims),
 plus a low-rank part driven by latent factors that are locally correlated along positions
 (an exponential moving average of white noise), plus white noise; then RoPE at their
 positions. Queries: a per-head base, a per-query-head deviation inside the GQA group and a
@@ -39,9 +40,9 @@ class HeadType(enum.Enum):
 
 #: per head type: (logit std, sink mass, recent mass)
 _PROFILE = {
-    HeadType.STREAMING: (1.0, 0.45, 0.30),
-    HeadType.RETRIEVAL: (1.0, 0.15, 0.05),
-    HeadType.DIFFUSE: (0.5, 0.05, 0.02),
+    HeadType.STREAMING: (2.0, 0.50, 0.30),
+    HeadType.RETRIEVAL: (2.5, 0.15, 0.10),
+    HeadType.DIFFUSE: (1.2, 0.05, 0.05),
 }
 
 
@@ -56,7 +57,7 @@ class SyntheticConfig:
     span_len: int = 24
     distractors: int = 16
     distractor_spans: int = 4
-    needle_mass: float = 0.5  # total mass of a retrieval head's needles
+    needle_mass: float = 0.6  # total mass of a retrieval head's needles
     drift: float = 0.02  # fraction of the query's variance replaced per step
     rope_base: float = 500000.0
     seed: int = 0
@@ -96,17 +97,51 @@ def _smooth(noise: torch.Tensor, rho: float, taps: int = 64) -> torch.Tensor:
     return y.squeeze(1).t()
 
 
-def _base_keys(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
-    m = 24
+def _semantic_basis(d: int, m: int, gen: torch.Generator) -> torch.Tensor:
+    """``(d, m)`` orthonormal directions inside the lowest-frequency half of the rotary
+    pairs (rotate-half layout: pair ``(i, i + d/2)`` turns slower as ``i`` grows), where
+    RoPE barely moves them: the directions along which keys vary and queries look."""
+    half, pairs = d // 2, d // 4
+    dims = torch.cat([torch.arange(half - pairs, half), torch.arange(d - pairs, d)])
+    basis = torch.zeros((d, m))
+    basis[dims] = torch.linalg.qr(torch.randn((2 * pairs, m), generator=gen))[0]
+    return basis
+
+
+def _base_keys(n: int, d: int, basis: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    m = basis.shape[1]
     z = _smooth(torch.randn((n, m), generator=gen), rho=0.95)
-    basis, _ = torch.linalg.qr(torch.randn((d, m), generator=gen))
     scales = 2.0 * torch.arange(1, m + 1, dtype=torch.float32) ** -0.7
     mu = torch.randn(d, generator=gen) * 0.6
-    outliers = torch.randperm(d, generator=gen)[:4]
+    # massive key channels sit in low-frequency rotary dims (as observed in trained models),
+    # where RoPE barely turns them: near-constant offsets along a few directions
+    low = torch.cat([torch.arange(d // 2 - 8, d // 2), torch.arange(d - 8, d)])
+    outliers = low[torch.randperm(16, generator=gen)[:4]]
     mu[outliers] += 6.0 * torch.sign(torch.randn(4, generator=gen))
     k = mu + (z * scales) @ basis.t() + 0.3 * torch.randn((n, d), generator=gen)
     k[:, outliers] += 1.5 * torch.randn((n, 4), generator=gen)
     return k
+
+
+def _queries(basis: torch.Tensor, g: int, steps: int, drift: float, gen: torch.Generator) -> torch.Tensor:
+    """``(G, S, D)`` pre-RoPE queries: mostly along the semantic directions (shared base,
+    per-head deviation, drift across steps), plus some energy everywhere."""
+    d, m = basis.shape
+    w = torch.arange(1, m + 1, dtype=torch.float32) ** -0.5
+
+    def sem(*shape: int) -> torch.Tensor:
+        return (torch.randn((*shape, m), generator=gen) * w) @ basis.t()
+
+    base = sem(1) + 0.05 * torch.randn((1, d), generator=gen)
+    dev = 0.4 * sem(g)
+    cur = torch.zeros((g, d))
+    out = []
+    for _ in range(steps):
+        cur = math.sqrt(1 - drift) * cur + math.sqrt(drift) * (
+            sem(g) + 0.05 * torch.randn((g, d), generator=gen)
+        )
+        out.append(base + dev + cur)
+    return torch.stack(out, 1)
 
 
 def generate(cfg: SyntheticConfig) -> Workload:
@@ -118,15 +153,9 @@ def generate(cfg: SyntheticConfig) -> Workload:
     ks, qs, vs, needles = [], [], [], []
     for h, ht in enumerate(types):
         sigma, sink_mass, recent_mass = _PROFILE[ht]
-        k = apply_rope(_base_keys(n, d, gen), cos_k, sin_k)
-        base_q = torch.randn(d, generator=gen)
-        dev = 0.5 * torch.randn((g, d), generator=gen)
-        drift = torch.zeros((g, d))
-        q_steps = []
-        for _ in range(s):
-            drift = math.sqrt(1 - cfg.drift) * drift + math.sqrt(cfg.drift) * torch.randn((g, d), generator=gen)
-            q_steps.append(base_q + dev + drift)
-        q = apply_rope(torch.stack(q_steps, 1), cos_q, sin_q).transpose(0, 1)  # (S, G, D)
+        basis = _semantic_basis(d, 24, gen)
+        k = apply_rope(_base_keys(n, d, basis, gen), cos_k, sin_k)
+        q = apply_rope(_queries(basis, g, s, cfg.drift, gen), cos_q, sin_q).transpose(0, 1)  # (S, G, D)
         # scale the queries so that ordinary logits have the head type's spread
         logits = torch.matmul(q[0], k[:: max(1, n // 4096)].t()) / math.sqrt(d)
         q = q * (sigma / logits.std().clamp(min=1e-6))
@@ -134,7 +163,13 @@ def generate(cfg: SyntheticConfig) -> Workload:
         u = u / u.norm()
         per_logit = math.sqrt(d) / float((q @ u).mean())  # key shift along u per logit
 
-        def plant(pos: torch.Tensor, logit: torch.Tensor | float, k: torch.Tensor = k, p: float = per_logit) -> None:
+        def plant(
+            pos: torch.Tensor,
+            logit: torch.Tensor | float,
+            k: torch.Tensor = k,
+            u: torch.Tensor = u,
+            p: float = per_logit,
+        ) -> None:
             k[pos] += (torch.as_tensor(logit, dtype=torch.float32).reshape(-1, 1) * p) * u
 
         plant(torch.arange(4), _boost(sink_mass, n, sigma) - torch.log(torch.tensor([1.0, 3.0, 6.0, 10.0])))
@@ -142,8 +177,13 @@ def generate(cfg: SyntheticConfig) -> Workload:
         plant(torch.arange(n - 64, n), _boost(recent_mass / 10, n, sigma) - dist.flip(0) / 8)
         if ht is HeadType.RETRIEVAL:
             lo, hi = 64, n - 256
-            slots = torch.randperm((hi - lo) // 64, generator=gen)[: cfg.needles + 1 + cfg.distractors
-                                                                     + cfg.distractor_spans] * 64 + lo
+            slots = (
+                torch.randperm((hi - lo) // 64, generator=gen)[
+                    : cfg.needles + 1 + cfg.distractors + cfg.distractor_spans
+                ]
+                * 64
+                + lo
+            )
             pos = slots + torch.randint(0, 64 - cfg.span_len, (len(slots),), generator=gen)
             each = cfg.needle_mass / (cfg.needles + 1)
             for p in pos[: cfg.needles]:

@@ -9,7 +9,9 @@ from kvfabric.bench.sparse.llama import Llama
 from kvfabric.bench.sparse.model import LlamaConfig
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> Llama:
+def tiny_llama(
+    seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16
+) -> Llama:
     dim = heads * head_dim
     cfg = LlamaConfig(
         vocab_size=97,

@@ -75,7 +75,10 @@ def test_full_budget_is_dense_and_hooks_run_in_order():
     assert same == dense
     assert rec.calls[:3] == ["request_begin", "estimate_num_slots", "build_sparse_meta"]
     assert rec.calls[3:8] == [
-        "attention_begin:0", "attention_finished:0", "attention_begin:1", "attention_finished:1",
+        "attention_begin:0",
+        "attention_finished:0",
+        "attention_begin:1",
+        "attention_finished:1",
         "execute_finished",
     ]
     assert rec.calls[-1] == "request_finished"
@@ -86,7 +89,9 @@ def test_full_budget_is_dense_and_hooks_run_in_order():
 def test_sparse_view_has_forced_blocks_per_head_and_matches_selected_attention():
     model = tiny_llama(seed=2)
     prompt = torch.randint(0, 97, (120,), generator=torch.Generator().manual_seed(3)).tolist()
-    rec = Recording(_spec(model), {"budget_tokens": 48, "min_seq_len": 0, "sink_blocks": 1, "recent_blocks": 2})
+    rec = Recording(
+        _spec(model), {"budget_tokens": 48, "min_seq_len": 0, "sink_blocks": 1, "recent_blocks": 2}
+    )
     out, _ = _run(model, rec, prompt, steps=5)
     assert len(out) == 5
     st = rec.stats()

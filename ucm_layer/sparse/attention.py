@@ -76,7 +76,9 @@ def dense_table(seq_len: int, blocks: torch.Tensor, block_size: int) -> tuple[to
     the ``(1, nb)`` valid-token counts for ``seq_len`` tokens."""
     nb = -(-seq_len // block_size)
     if nb > blocks.numel():
-        raise ValueError(f"{seq_len} tokens need {nb} blocks of {block_size}; the request has {blocks.numel()}")
+        raise ValueError(
+            f"{seq_len} tokens need {nb} blocks of {block_size}; the request has {blocks.numel()}"
+        )
     lens = torch.full((1, nb), block_size, dtype=torch.int64, device=blocks.device)
     lens[0, -1] = seq_len - (nb - 1) * block_size
     return blocks[:nb].reshape(1, nb).to(torch.int64), lens

@@ -215,4 +215,12 @@ def make_scorer(name: str, num_kv_heads: int, head_dim: int, block_size: int, **
         raise ValueError(f"bad options for scorer {name!r}: {options!r} ({e})") from e
 
 
-__all__ = ["SCORERS", "make_scorer", "BlockScorer", "GrowingRows", "RowMaxScorer", "block_view", "edge_block_view"]
+__all__ = [
+    "SCORERS",
+    "BlockScorer",
+    "GrowingRows",
+    "RowMaxScorer",
+    "block_view",
+    "edge_block_view",
+    "make_scorer",
+]

@@ -28,7 +28,8 @@ class SelectionConfig:
         if (self.budget_tokens is None) == (self.budget_fraction is None):
             raise ValueError("give exactly one of budget_tokens and budget_fraction")
         if self.budget_tokens is not None and (
-            isinstance(self.budget_tokens, bool) or not isinstance(self.budget_tokens, int)
+            isinstance(self.budget_tokens, bool)
+            or not isinstance(self.budget_tokens, int)
             or self.budget_tokens <= 0
         ):
             raise ValueError(f"budget_tokens must be a positive int, got {self.budget_tokens!r}")

@@ -19,7 +19,9 @@ class HataScorer(BlockScorer):
     name = "hata"
     combine = "max"
 
-    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int, bits: int = 128, seed: int = 0) -> None:
+    def __init__(
+        self, num_kv_heads: int, head_dim: int, block_size: int, bits: int = 128, seed: int = 0
+    ) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
         if isinstance(bits, bool) or not isinstance(bits, int) or bits <= 0:
             raise ValueError(f"bits must be a positive int, got {bits!r}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfabric.ucm_layer.sparse.gsa.plugin import BlockSparseAttention
+from kvfabric.ucm_layer.sparse.blocksparse import BlockSparseAttention
 
 
 class Quest(BlockSparseAttention):

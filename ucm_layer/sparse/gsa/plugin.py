@@ -1,25 +1,8 @@
-"""Block-sparse decode attention behind the ``UcmSparseBase`` hooks: GSA and its baselines.
-
-``BlockSparseAttention`` drives one block scorer per (request, layer): it fits the scorer
-on the prompt's keys at prefill, appends every later key (so the summaries follow the
-blocks as they fill), and, for each (request, layer) that the adaptive switch puts in
-``SPARSE`` mode, replaces the request's block table in ``attention_begin`` with the
-selected blocks of each KV head (forced sink/recent blocks + top-k by score under the
-token budget), restoring it in ``attention_finished``. Selections are reused for
-``reuse_steps`` decode steps; with ``select_ahead`` the selection for step t+1 is made at
-step t from step t's query (what a prefetch needs). Scoring, top-k and the block-table
-gather are tensor operations on the KV's device; statistics stay on the device until
-``stats()`` is called.
-
-``GSA`` is this plugin with the SVD + max-norm scorer (``gsa.summary``) and, given a
-store, offload of unselected blocks with prefetch of the next step's selection
-(``gsa.offload``).
-"""
+"""GSA behind the ``UcmSparseBase`` hooks: the block-sparse plugin with GSA's summary and offload."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,162 +14,127 @@ from kvfabric.ucm_layer.sparse.base import (
     ModelSpec,
     SparseMeta,
     StepBatch,
-    UcmSparseBase,
 )
-from kvfabric.ucm_layer.sparse.gsa.policy import BlockSparseConfig, decide_modes
-from kvfabric.ucm_layer.sparse.scorer import BlockScorer, make_scorer
+from kvfabric.ucm_layer.sparse.blocksparse import BlockSparseAttention, LayerState, RequestState
+from kvfabric.ucm_layer.sparse.gsa.offload import OffloadStats, Residency
 from kvfabric.ucm_layer.sparse.selection import forced_blocks, lens_of
+from kvfabric.ucm_layer.store.base import Store
 
 
-@dataclass
-class LayerState:
-    """One (request, layer): its scorer and the selection being reused."""
+class GSA(BlockSparseAttention):
+    """GSA: SVD + max-norm block summaries (``rank`` option, default 16).
 
-    scorer: BlockScorer
-    free: torch.Tensor | None = None  # (H, k_free) selected non-forced blocks
-    made_step: int = -1
-    k: int = 0
-    ahead: torch.Tensor | None = None  # selection made at the previous step for this one
-    free_mask: torch.Tensor | None = None  # (H, nb) bool: the previous selection
+    With ``offload: true`` (and a ``store`` plus the ``platform`` that knows the KV cache's
+    memory), a request whose prompt exceeds its device share keeps only
+    ``sink + recent + cache_blocks`` blocks per layer on the device; the rest live in the
+    store (``gsa.offload``). Offloaded requests always decode sparse, select one step
+    ahead (``select_ahead`` is implied) and prefetch that selection while the step runs.
+    """
 
-
-@dataclass
-class RequestState:
-    prompt_len: int
-    layers: list[LayerState | None]
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class BlockSparseAttention(UcmSparseBase):
-    """The generic block-sparse plugin (see the module docstring)."""
-
-    name = "blocksparse"
+    name = "gsa"
     scorer_name = "gsa"
-    scorer_keys: tuple[str, ...] = ()
+    scorer_keys = ("rank", "margin", "basis_tokens", "residual_groups")
 
-    def __init__(self, model: ModelSpec, config: Mapping[str, Any] | None = None) -> None:
-        super().__init__(model, config)
-        cfg = dict(self.config)
-        self.scorer_name = cfg.pop("scorer", self.scorer_name)
-        self.cfg = BlockSparseConfig.from_mapping({**cfg, "scorer_keys": self.scorer_keys})
-        bad = [x for x in self.cfg.dense_layers if x >= model.num_layers]
-        if bad:
-            raise ValueError(f"dense_layers {bad} out of range: the model has {model.num_layers} layers")
-        make_scorer(self.scorer_name, model.num_kv_heads, model.head_dim, model.block_size,
-                    **self.cfg.scorer_options)  # validate the scorer options now
-        self._requests: dict[str, RequestState] = {}
-        self._step = 0
-        self._counters: dict[str, torch.Tensor | float] = {
-            "selections": 0.0, "reused": 0.0, "sparse_layer_steps": 0.0, "dense_layer_steps": 0.0,
-        }
-        self._overlap_sum: torch.Tensor | float = 0.0
-        self._overlap_n = 0.0
+    def __init__(
+        self,
+        model: ModelSpec,
+        config: Mapping[str, Any] | None = None,
+        store: Store | None = None,
+        platform: Any = None,
+    ) -> None:
+        cfg = dict(config or {})
+        self.offload = bool(cfg.pop("offload", False))
+        cache_blocks = cfg.pop("cache_blocks", None)
+        if self.offload:
+            cfg["select_ahead"] = True
+        super().__init__(model, cfg)
+        self.config = dict(config or {})
+        self.store, self.platform = store, platform
+        self.offload_stats = OffloadStats()
+        self._wrapped: dict[int, Any] = {}
+        if not self.offload:
+            return
+        if store is None or platform is None:
+            raise ValueError("offload needs a store and the platform that knows the KV cache memory")
+        sel = self.cfg.selection
+        if sel.budget_tokens is None:
+            raise ValueError("offload needs an absolute budget_tokens (device slots are sized from it)")
+        if self.cfg.dense_layers:
+            raise ValueError("offload cannot keep dense_layers: offloaded blocks are not on the device")
+        free = max(sel.budget_tokens // model.block_size - sel.sink_blocks - sel.recent_blocks, 1)
+        self.cache_blocks = 2 * free if cache_blocks is None else int(cache_blocks)
+        if self.cache_blocks < free:
+            raise ValueError(f"cache_blocks ({self.cache_blocks}) must hold a selection ({free} blocks)")
 
-    # ------------------------------------------------------------------ scheduler side
+    # ------------------------------------------------------------------ offload plumbing
+    def _offloaded(self, request_id: str) -> bool:
+        return bool(self._state(request_id).extra.get("offload"))
+
+    def _slots_needed(self) -> int:
+        sel = self.cfg.selection
+        return sel.sink_blocks + sel.recent_blocks + self.cache_blocks
+
     def request_begin(self, request_id: str, prompt_len: int) -> None:
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} already began")
-        if prompt_len < 1:
-            raise ValueError(f"request {request_id!r}: prompt_len must be >= 1, got {prompt_len}")
-        self._requests[request_id] = RequestState(prompt_len, [None] * self.model.num_layers)
+        super().request_begin(request_id, prompt_len)
+        if self.offload and prompt_len > 2 * self._slots_needed() * self.model.block_size:
+            sel = self.cfg.selection
+            st = self._state(request_id)
+            st.extra["offload"] = True
+            st.extra["res"] = [
+                Residency(
+                    self.store,
+                    self.platform,
+                    request_id,
+                    layer,
+                    self.model.num_kv_heads,
+                    sel.sink_blocks,
+                    sel.recent_blocks,
+                    self.cache_blocks,
+                    self.model.block_size,
+                    self.offload_stats,
+                )
+                for layer in range(self.model.num_layers)
+            ]
 
     def request_finished(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-
-    def _state(self, request_id: str) -> RequestState:
         st = self._requests.get(request_id)
-        if st is None:
-            raise ValueError(f"unknown request {request_id!r}: request_begin() was not called")
-        return st
+        if st is not None:
+            for res in st.extra.get("res", ()):
+                res.close()
+        super().request_finished(request_id)
 
-    # ------------------------------------------------------------------ worker side
+    def estimate_num_slots(self, request_id: str, num_tokens: int) -> int:
+        if request_id in self._requests and self._offloaded(request_id):
+            return self._slots_needed()
+        return super().estimate_num_slots(request_id, num_tokens)
+
     def build_sparse_meta(self, batch: StepBatch, attn: AttentionMetadata) -> SparseMeta:
-        for rid in batch.request_ids:
-            self._state(rid)
-        self._step += 1
-        modes = decide_modes(batch, self.model.num_layers, self.cfg, self.model.block_size)
-        return SparseMeta(batch=batch, modes=modes, step=self._step)
-
-    @staticmethod
-    def _token_ranges(batch: StepBatch) -> list[tuple[int, int]]:
-        out, t = [], 0
-        for n in batch.num_new:
-            out.append((t, t + n))
-            t += n
-        return out
-
-    def _sync_scorer(self, st: RequestState, layer: int, key: torch.Tensor, seq: int, n_new: int) -> LayerState:
-        """Fit (prompt) or extend (later tokens) the layer's scorer with the new keys."""
-        keys = key.permute(1, 0, 2)  # (H, n, D)
-        ls = st.layers[layer]
-        start = seq - n_new
-        if ls is None:
-            if start != 0:
-                raise ValueError(
-                    f"layer {layer}: the first keys seen start at position {start}; the scorer "
-                    "must be fitted on the prompt from position 0"
-                )
-            scorer = make_scorer(
-                self.scorer_name, self.model.num_kv_heads, self.model.head_dim, self.model.block_size,
-                **self.cfg.scorer_options,
-            )
-            scorer.fit(keys)
-            ls = st.layers[layer] = LayerState(scorer)
-        elif ls.scorer.num_tokens == start:
-            ls.scorer.append(keys, start)
-        elif ls.scorer.num_tokens != seq:
-            raise ValueError(
-                f"layer {layer}: scorer holds {ls.scorer.num_tokens} tokens, new keys start at {start}"
-            )
-        return ls
-
-    def _select_free(self, ls: LayerState, q: torch.Tensor, nb: int, k: int) -> torch.Tensor:
-        """Top ``k - forced`` non-forced blocks ``(H, k_free)`` by the scorer's scores."""
-        sink, recent = forced_blocks(nb, self.cfg.selection)
-        free = k - sink - recent
-        if free <= 0:
-            return torch.empty((self.model.num_kv_heads, 0), dtype=torch.int64, device=q.device)
-        mid = ls.scorer.scores(q)[:, sink : nb - recent]
-        idx = torch.topk(mid, free, dim=-1, sorted=False).indices + sink
-        self._record_overlap(ls, idx, nb)
-        self._counters["selections"] += 1.0
-        return idx
-
-    def _record_overlap(self, ls: LayerState, idx: torch.Tensor, nb: int) -> None:
-        """Step-to-step reuse: the fraction of the new selection already in the last one."""
-        if ls.free_mask is not None and idx.numel():
-            prev = ls.free_mask
-            if prev.shape[1] < nb:
-                prev = torch.nn.functional.pad(prev, (0, nb - prev.shape[1]))
-            self._overlap_sum = self._overlap_sum + prev.gather(1, idx).float().mean()
-            self._overlap_n += 1.0
-        mask = torch.zeros((idx.shape[0], nb), dtype=torch.bool, device=idx.device)
-        ls.free_mask = mask.scatter_(1, idx, True)
-
-    def selection(self, ls: LayerState, q: torch.Tensor, seq: int, step: int) -> torch.Tensor:
-        """The logical blocks ``(H, k)`` one KV head reads at ``step`` (forced + free)."""
+        meta = super().build_sparse_meta(batch, attn)
+        if not self.offload:
+            return meta
+        modes = list(meta.modes)
         bs = self.model.block_size
-        nb = -(-seq // bs)
-        k = self.cfg.selection.num_selected(seq, bs)
-        fresh = ls.free is None or ls.k != k or step - ls.made_step >= self.cfg.reuse_steps
-        if fresh:
-            if self.cfg.select_ahead and ls.ahead is not None and ls.k == k:
-                ls.free = ls.ahead
-            else:
-                ls.free = self._select_free(ls, q, nb, k)
-            ls.made_step, ls.k, ls.ahead = step, k, None
-        else:
-            self._counters["reused"] += 1.0
-        sink, recent = forced_blocks(nb, self.cfg.selection)
-        h, dev = self.model.num_kv_heads, q.device
-        return torch.cat(
-            [
-                torch.arange(sink, device=dev).expand(h, sink),
-                ls.free,
-                torch.arange(nb - recent, nb, device=dev).expand(h, recent),
-            ],
-            dim=1,
-        )
+        for i, rid in enumerate(batch.request_ids):
+            st = self._state(rid)
+            if not st.extra.get("offload"):
+                continue
+            res0: Residency = st.extra["res"][0]
+            seq, n = batch.seq_lens[i], batch.num_new[i]
+            pos = torch.arange(seq - n, seq)
+            blocks = pos // bs
+            nb = -(-seq // bs)
+            keep = (blocks < res0.sink) | (blocks >= nb - res0.recent)
+            slot = torch.tensor([res0.slot_of(int(b)) for b in blocks.tolist()], dtype=torch.int64)
+            phys = attn.block_tables[i][0][slot]
+            mapping = torch.stack([phys, pos % bs], dim=1)
+            mapping[~keep] = -1
+            attn.slot_mapping[i] = mapping
+            if n == 1 and (seq - 1) % bs == 0:  # a new block starts in a ring slot
+                for res in st.extra["res"]:
+                    res.before_write(int(blocks[0]))
+            if batch.is_decode(i):
+                modes[i] = (AttnMode.SPARSE,) * self.model.num_layers
+        return SparseMeta(batch=meta.batch, modes=tuple(modes), step=meta.step)
 
     def attention_begin(
         self,
@@ -198,35 +146,15 @@ class BlockSparseAttention(UcmSparseBase):
         attn: AttentionMetadata,
         meta: SparseMeta,
     ) -> None:
-        batch = meta.batch
-        hk, g, d = self.model.num_kv_heads, self.model.group_size, self.model.head_dim
-        for i, (t0, t1) in enumerate(self._token_ranges(batch)):
-            st = self._state(batch.request_ids[i])
-            seq = batch.seq_lens[i]
-            ls = self._sync_scorer(st, layer, key[t0:t1], seq, t1 - t0)
-            if meta.mode(i, layer) is not AttnMode.SPARSE:
-                self._counters["dense_layer_steps"] += 1.0
-                continue
-            self._counters["sparse_layer_steps"] += 1.0
-            q = query[t1 - 1].reshape(hk, g, d)
-            logical = self.selection(ls, q, seq, meta.step)
-            table, lens = self.place(st, layer, logical, seq, kv, attn, i)
-            attn.replace(i, table, lens, int(logical.shape[1]) * self.model.block_size)
-
-    def place(
-        self,
-        st: RequestState,
-        layer: int,
-        logical: torch.Tensor,
-        seq: int,
-        kv: LayerKV,
-        attn: AttentionMetadata,
-        i: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Physical blocks and valid lengths ``(H, k)`` for the selected logical blocks.
-        Without offload every block is where the engine's table says."""
-        physical = attn.block_tables[i][0][logical]
-        return physical, lens_of(logical, seq, self.model.block_size)
+        if self.offload:
+            self._wrap(kv)
+        super().attention_begin(layer, query, key, value, kv, attn, meta)
+        if not self.offload:
+            return
+        for i, (t0, t1) in enumerate(self._token_ranges(meta.batch)):
+            st = self._state(meta.batch.request_ids[i])
+            if st.extra.get("offload") and t1 - t0 > 1:
+                st.extra["res"][layer].dump_prompt(key[t0:t1].transpose(0, 1), value[t0:t1].transpose(0, 1))
 
     def attention_finished(
         self,
@@ -239,44 +167,81 @@ class BlockSparseAttention(UcmSparseBase):
         attn: AttentionMetadata,
         meta: SparseMeta,
     ) -> None:
-        attn.restore()
-        if not self.cfg.select_ahead:
-            return
-        batch = meta.batch
-        hk, g, d = self.model.num_kv_heads, self.model.group_size, self.model.head_dim
-        for i, (_, t1) in enumerate(self._token_ranges(batch)):
-            if meta.mode(i, layer) is not AttnMode.SPARSE:
-                continue
-            ls = self._state(batch.request_ids[i]).layers[layer]
-            if ls is None or (meta.step + 1) - ls.made_step < self.cfg.reuse_steps:
-                continue
-            # the next step's sequence is one token longer; select for it now
-            seq = batch.seq_lens[i] + 1
-            nb = -(-seq // self.model.block_size)
-            k = self.cfg.selection.num_selected(seq, self.model.block_size)
-            if k != ls.k:
-                continue
-            ls.ahead = self._select_free(ls, query[t1 - 1].reshape(hk, g, d), nb, k)
-            self.ahead_selected(self._state(batch.request_ids[i]), layer, ls, seq, kv, attn, i)
+        if self.offload:  # blocks completed by this step's token: store them (ring slots)
+            for i, rid in enumerate(meta.batch.request_ids):
+                st = self._state(rid)
+                seq = meta.batch.seq_lens[i]
+                if st.extra.get("offload") and meta.batch.is_decode(i) and seq % self.model.block_size == 0:
+                    st.extra["res"][layer].dump_block(
+                        kv, attn.saved.get(i, (attn.block_tables[i],))[0][0], seq // self.model.block_size - 1
+                    )
+        super().attention_finished(layer, query, key, value, output, kv, attn, meta)
+
+    def place(
+        self,
+        st: RequestState,
+        layer: int,
+        logical: torch.Tensor,
+        seq: int,
+        kv: LayerKV,
+        attn: AttentionMetadata,
+        i: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not st.extra.get("offload"):
+            return super().place(st, layer, logical, seq, kv, attn, i)
+        res: Residency = st.extra["res"][layer]
+        slots = attn.block_tables[i][0]
+        nb = -(-seq // self.model.block_size)
+        sink, recent = forced_blocks(nb, self.cfg.selection)
+        free = logical[:, sink : logical.shape[1] - recent]
+        ring = logical[:, logical.shape[1] - recent :]
+        ring_slots = res.sink + ring % res.recent
+        physical = torch.cat(
+            [slots[logical[:, :sink]], res.ensure(kv, slots, free), slots[ring_slots]], dim=1
+        )
+        return physical, lens_of(logical, seq, self.model.block_size)
 
     def ahead_selected(
-        self, st: RequestState, layer: int, ls: LayerState, seq: int, kv: LayerKV, attn: AttentionMetadata,
+        self,
+        st: RequestState,
+        layer: int,
+        ls: LayerState,
+        seq: int,
+        kv: LayerKV,
+        attn: AttentionMetadata,
         i: int,
     ) -> None:
-        """Hook for subclasses: ``ls.ahead`` was just chosen for the next step (prefetch it)."""
+        if st.extra.get("offload") and ls.ahead is not None and ls.free is not None:
+            st.extra["res"][layer].prefetch(kv, attn.block_tables[i][0], ls.ahead, ls.free)
 
     def stats(self) -> dict[str, float]:
-        out = {k: float(v) for k, v in self._counters.items()}
-        out["step_reuse"] = float(self._overlap_sum) / self._overlap_n if self._overlap_n else float("nan")
+        out = super().stats()
+        if self.offload:
+            o = self.offload_stats
+            out.update(
+                demand_blocks=float(o.demand_blocks),
+                prefetched_blocks=float(o.prefetched_blocks),
+                prefetch_hits=float(o.prefetch_hits),
+                resident_hits=float(o.resident_hits),
+                dumped_blocks=float(o.dumped_blocks),
+                h2d_bytes=float(o.h2d_bytes),
+                d2h_bytes=float(o.d2h_bytes),
+            )
         return out
 
+    def _wrap(self, kv: LayerKV) -> None:
+        """Make the engine's cache tensors addressable by the store's platform (once)."""
+        for t in (kv.k, kv.v):
+            if t.data_ptr() not in self._wrapped:
+                self._wrapped[t.data_ptr()] = self.platform.wrap(t, "hbm")
 
-class GSA(BlockSparseAttention):
-    """GSA: SVD + max-norm block summaries (``rank`` option, default 16)."""
+    def close(self) -> None:
+        for st in self._requests.values():
+            for res in st.extra.get("res", ()):
+                res.close()
+        for buf in self._wrapped.values():
+            self.platform.free(buf)
+        self._wrapped.clear()
 
-    name = "gsa"
-    scorer_name = "gsa"
-    scorer_keys = ("rank", "margin", "basis_tokens")
 
-
-__all__ = ["GSA", "BlockSparseAttention", "LayerState", "RequestState"]
+__all__ = ["GSA"]

@@ -34,7 +34,11 @@ class BlockSparseConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if isinstance(self.min_seq_len, bool) or not isinstance(self.min_seq_len, int) or self.min_seq_len < 0:
+        if (
+            isinstance(self.min_seq_len, bool)
+            or not isinstance(self.min_seq_len, int)
+            or self.min_seq_len < 0
+        ):
             raise ValueError(f"min_seq_len must be an int >= 0, got {self.min_seq_len!r}")
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.dense_layers):
             raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers!r}")

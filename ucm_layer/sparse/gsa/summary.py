@@ -31,8 +31,9 @@ _GRAM_CHUNK = 16384
 
 def fit_basis(keys: torch.Tensor, rank: int, max_tokens: int = 65536) -> torch.Tensor:
     """``(H, D, rank)`` orthonormal bases: the top right singular vectors of each head's
-    keys ``(H, N, D)`` (eigenvectors of ``K^T K`` in float64, largest first). Beyond
-    ``max_tokens`` keys, an evenly strided sample of them is used."""
+    keys ``(H, N, D)`` (eigenvectors of ``K^T K`` in float64, largest first; ``rank = D``
+    gives the whole orthonormal basis). Beyond ``max_tokens`` keys, an evenly strided
+    sample of them is used."""
     if keys.shape[1] > max_tokens:
         keys = keys[:, :: -(-keys.shape[1] // max_tokens)]
     h, n, d = keys.shape
@@ -59,6 +60,7 @@ class SvdMaxNormScorer(RowMaxScorer):
         rank: int = 16,
         margin: float = 1e-5,
         basis_tokens: int = 65536,
+        residual_groups: int = 1,
     ) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= head_dim:
@@ -67,6 +69,18 @@ class SvdMaxNormScorer(RowMaxScorer):
             raise ValueError(f"margin must be in [0, 0.01), got {margin!r}")
         if isinstance(basis_tokens, bool) or not isinstance(basis_tokens, int) or basis_tokens < rank:
             raise ValueError(f"basis_tokens must be an int >= rank, got {basis_tokens!r}")
+        if (
+            isinstance(residual_groups, bool)
+            or not isinstance(residual_groups, int)
+            or not 1 <= residual_groups <= max(1, head_dim - rank)
+        ):
+            raise ValueError(
+                f"residual_groups must be an int in [1, head_dim - rank = {head_dim - rank}], "
+                f"got {residual_groups!r}"
+            )
+        self.groups = residual_groups
+        self.complement: torch.Tensor | None = None  # (H, D, D - r) when groups > 1
+        self._assign: torch.Tensor | None = None  # (D - r, groups) 0/1
         self.basis_tokens = basis_tokens
         self.rank = rank
         self.margin = float(margin)
@@ -74,7 +88,7 @@ class SvdMaxNormScorer(RowMaxScorer):
 
     @property
     def row_width(self) -> int:
-        return 2 * self.rank + 1
+        return 2 * self.rank + self.groups
 
     def _basis(self) -> torch.Tensor:
         if self.basis is None:
@@ -82,22 +96,34 @@ class SvdMaxNormScorer(RowMaxScorer):
         return self.basis
 
     def _fit(self, keys: torch.Tensor) -> None:
-        self.basis = fit_basis(keys, self.rank, self.basis_tokens)
+        if self.groups == 1:
+            self.basis = fit_basis(keys, self.rank, self.basis_tokens)
+        else:
+            full = fit_basis(keys, self.head_dim, self.basis_tokens)
+            self.basis = full[:, :, : self.rank].contiguous()
+            self.complement = full[:, :, self.rank :].contiguous()
+            rest = self.head_dim - self.rank
+            group = torch.arange(rest, device=keys.device) * self.groups // rest
+            self._assign = torch.nn.functional.one_hot(group, self.groups).to(keys.dtype)
         super()._fit(keys)
 
+    def _residual_norms(self, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """``(..., groups)`` norms of the residual of ``x`` in each residual subspace."""
+        if self.groups == 1:
+            return (x - torch.matmul(p, self._basis().transpose(1, 2))).norm(dim=-1, keepdim=True)
+        assert self.complement is not None and self._assign is not None
+        c = torch.matmul(x, self.complement)
+        return torch.matmul(c * c, self._assign).sqrt()
+
     def key_rows(self, keys: torch.Tensor) -> torch.Tensor:
-        basis = self._basis()
-        p = torch.matmul(keys, basis)  # (H, n, r)
-        res = keys - torch.matmul(p, basis.transpose(1, 2))
+        p = torch.matmul(keys, self._basis())  # (H, n, r)
         tau = keys.norm(dim=-1, keepdim=True) * self.margin
-        return torch.cat([p + tau, tau - p, res.norm(dim=-1, keepdim=True) + tau], dim=-1)
+        return torch.cat([p + tau, tau - p, self._residual_norms(keys, p) + tau], dim=-1)
 
     def query_weights(self, q: torch.Tensor) -> torch.Tensor:
-        """``(H, G, 2r + 1)``: ``[p+, p-, |q_res|]`` for queries ``q (H, G, D)``."""
-        basis = self._basis()
-        p = torch.matmul(q, basis)
-        qres = (q - torch.matmul(p, basis.transpose(1, 2))).norm(dim=-1, keepdim=True)
-        return torch.cat([p.clamp(min=0), (-p).clamp(min=0), qres], dim=-1)
+        """``(H, G, 2r + groups)``: ``[p+, p-, |q_res| per group]`` for ``q (H, G, D)``."""
+        p = torch.matmul(q, self._basis())
+        return torch.cat([p.clamp(min=0), (-p).clamp(min=0), self._residual_norms(q, p)], dim=-1)
 
 
 __all__ = ["SvdMaxNormScorer", "fit_basis"]
