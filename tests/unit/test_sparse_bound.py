@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch_threads import one_torch_thread  # noqa: F401
 
 from kvfabric.ucm_layer.sparse.gsa.summary import SvdMaxNormScorer, fit_basis
 from kvfabric.ucm_layer.sparse.scorer import make_scorer

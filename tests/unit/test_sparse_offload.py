@@ -8,6 +8,7 @@ import pytest
 import torch
 from memstore import MemStore
 from tiny_llama import tiny_llama
+from torch_threads import one_torch_thread  # noqa: F401
 
 from kvfabric.bench.sparse.engine import PagedEngine
 from kvfabric.errors import TransferFailed

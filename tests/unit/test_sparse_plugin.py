@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_llama import tiny_llama
+from torch_threads import one_torch_thread  # noqa: F401
 
 from kvfabric.bench.sparse.engine import PagedEngine
 from kvfabric.ucm_layer.sparse import base
