@@ -1,5 +1,5 @@
-"""One torch thread for the sparse tests: on a shared 2-core machine, more threads than
-free cores make OpenMP spin and slow every matmul down many times over."""
+"""One torch thread for the sparse tests: when other processes hold the cores, more torch
+threads than free cores make OpenMP spin and slow every matmul down many times over."""
 
 from __future__ import annotations
 

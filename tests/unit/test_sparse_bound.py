@@ -31,9 +31,11 @@ def _violations(scorer: SvdMaxNormScorer, q: torch.Tensor, keys: torch.Tensor) -
     return int((bound < true).sum())
 
 
-def _fitted(keys: torch.Tensor, rank: int, bs: int, prefix: int | None = None) -> SvdMaxNormScorer:
+def _fitted(
+    keys: torch.Tensor, rank: int, bs: int, prefix: int | None = None, groups: int = 1
+) -> SvdMaxNormScorer:
     h, n, d = keys.shape
-    s = SvdMaxNormScorer(h, d, bs, rank=rank)
+    s = SvdMaxNormScorer(h, d, bs, rank=rank, residual_groups=min(groups, max(1, d - rank)))
     cut = n if prefix is None else prefix
     s.fit(keys[:, :cut])
     t = cut
@@ -65,11 +67,12 @@ def _cases(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.mark.parametrize("rank", [1, 8, 32, 64])
 @pytest.mark.parametrize("block_size", [1, 16, 7])
-def test_bound_never_violated_on_random_and_adversarial_data(rank, block_size):
+@pytest.mark.parametrize("groups", [1, 5])
+def test_bound_never_violated_on_random_and_adversarial_data(rank, block_size, groups):
     gen = torch.Generator().manual_seed(rank * 100 + block_size)
     for name, (keys, q) in _cases(gen).items():
         for prefix in (None, 37):  # fitted at once, or fitted on a prefix then appended
-            s = _fitted(keys, rank, block_size, prefix)
+            s = _fitted(keys, rank, block_size, prefix, groups)
             assert _violations(s, q, keys) == 0, f"{name} rank={rank} bs={block_size} prefix={prefix}"
 
 

@@ -58,6 +58,8 @@ def test_metrics_oracle_full_budget_and_methods(work):
 def test_step_timing_and_plots(tmp_path):
     t = time_step(2048, 256, num_kv_heads=2, group=2, head_dim=32, rounds=1)
     assert t.dense_s > 0 and t.sparse_s > 0 and 0 < t.score_frac < 1
+    assert BENCHMARKS["gsa"] == "kvfabric.bench.sparse.run:run"
+    pytest.importorskip("matplotlib")
     rows = [
         {"case": "synthetic", "method": m, "context": 2048, "budget": b, "recall": r}
         for m, b, r in (("gsa", 256, 0.5), ("gsa", 512, 0.7), ("quest", 256, 0.6))
@@ -65,4 +67,3 @@ def test_step_timing_and_plots(tmp_path):
     paths = plot_rows(rows, tmp_path / "plots")
     assert {p.name for p in paths} == {"gsa_recall_2k.png", "gsa_speed.png"}
     assert all(p.stat().st_size > 1000 for p in paths)
-    assert BENCHMARKS["gsa"] == "kvfabric.bench.sparse.run:run"

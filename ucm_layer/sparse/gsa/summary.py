@@ -111,7 +111,8 @@ class SvdMaxNormScorer(RowMaxScorer):
         """``(..., groups)`` norms of the residual of ``x`` in each residual subspace."""
         if self.groups == 1:
             return (x - torch.matmul(p, self._basis().transpose(1, 2))).norm(dim=-1, keepdim=True)
-        assert self.complement is not None and self._assign is not None
+        if self.complement is None or self._assign is None:
+            raise ValueError("the scorer has no residual basis yet: call fit() first")
         c = torch.matmul(x, self.complement)
         return torch.matmul(c * c, self._assign).sqrt()
 
