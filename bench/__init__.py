@@ -10,6 +10,7 @@ from __future__ import annotations
 BENCHMARKS: dict[str, str] = {
     "copy": "kvfabric.bench.copy:run",
     "gsa": "kvfabric.bench.sparse.run:run",
+    "store": "kvfabric.bench.store:run",
 }
 
 __all__ = ["BENCHMARKS"]

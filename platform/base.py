@@ -183,6 +183,16 @@ class Platform(BackendPrimitives):
         buf, off = self._addrmap.find(int(ptr), _check_size(nbytes))
         return Span(buf, off, int(nbytes))
 
+    def media_of(self, ptrs: np.ndarray, nbytes: np.ndarray, what: str = "range") -> np.ndarray:
+        """Where each range ``[ptrs[i], ptrs[i] + nbytes[i])`` lives, vectorised: a uint8 array
+        of medium codes (0 DRAM, 1 HBM). ``ValueError`` naming the first range that is not
+        inside one live buffer of this platform. O(1) Python work for any number of ranges."""
+        p = np.ascontiguousarray(ptrs, dtype=np.uint64).reshape(-1)
+        n = np.ascontiguousarray(nbytes, dtype=np.uint64).reshape(-1)
+        if p.shape != n.shape:
+            raise ValueError(f"media_of needs as many sizes as addresses, got {n.size} and {p.size}")
+        return self._addrmap.media_of(p, n, what)
+
     def buffers(self) -> list[Buffer]:
         """Every live buffer, in address order."""
         return self._addrmap.buffers()

@@ -5,14 +5,17 @@ A store holds *block shards*: the bytes of one shard (``shard_idx``) of one bloc
 pieces whose sizes the store is configured with (``StoreLayout.piece_sizes``), and the
 caller names where those pieces are with an ``(n, m)`` uint64 array of addresses known to
 the store's platform (allocated, registered or wrapped there), so one call costs O(1)
-Python work whatever ``n`` is.
+Python work whatever ``n`` is. A store moves bytes only through its platform (copies,
+batched copies, streams), so the addresses may be device memory.
 
 Call order and meaning (every method is thread-safe):
 
-* ``lookup(ids) -> (n,) bool``: which shards are present *and complete* in this store.
+* ``lookup(ids) -> (n,) bool``: which blocks are present *and complete* in this store
+  (every shard of the block; with one shard per block, that shard).
 * ``lookup_prefix(ids) -> int``: the length of the present prefix (ids are a chain).
 * ``prefetch(ids)``: best effort hint that these may be loaded soon; may do nothing.
-* ``load(ids, shard_idx, addrs) -> Task``: copy present shards into ``addrs``.
+* ``load(ids, shard_idx, addrs) -> Task``: copy present shards into ``addrs``; absent
+  ones are reported ``MISSING`` and their destination is left untouched.
 * ``dump(ids, shard_idx, addrs, after=None) -> Task``: store the shards at ``addrs``;
   the copy starts only once ``after`` (a platform ``Event``) has completed. A shard that
   is already present is left untouched and reported ``OK`` (stores are put-if-absent).
@@ -20,8 +23,15 @@ Call order and meaning (every method is thread-safe):
 * ``wait(task, timeout=None) -> (n,) BlockStatus``: block until ``task`` finishes and
   return the status of each block. One consumer: a second ``wait`` on the same task is a
   ``ValueError``. On timeout the task is cancelled cleanly (blocks not finished are
-  ``TIMEOUT``; a cancelled dump leaves nothing visible) and the statuses are returned.
+  ``TIMEOUT``; a cancelled dump leaves nothing visible) and the statuses are returned;
+  ``wait`` then returns after at most the copy into or out of the caller's memory that
+  was already running (such a copy cannot be recalled), never after slower work such as
+  file I/O, which goes on privately and is discarded.
 * ``cancel(task)``: stop what has not started; unfinished blocks become ``CANCELLED``.
+  The caller still calls ``wait`` to collect the statuses.
+* ``close()``: let outstanding tasks finish (for a grace period; tasks still running then
+  are cancelled), then release buffers, streams and threads. Idempotent; any later call
+  is a ``ValueError``.
 
 Memory ownership: the caller owns the memory at ``addrs``. After a ``load`` it must not
 read, and after a ``dump`` it must not overwrite, those bytes until ``wait`` returned:
@@ -30,10 +40,12 @@ store writes behind). Visibility: a shard becomes visible to ``lookup`` only onc
 complete and durable in this store; no torn shard is ever visible, even if the writer
 dies in the middle of a dump.
 
-Errors: malformed arguments (shapes, dtypes, unknown shard index, addresses outside the
-platform's buffers) raise ``ValueError`` / ``TypeError`` at the call, before anything is
-queued; failures while moving bytes never raise from ``wait`` but show up as per-block
-statuses; a backing service that does not answer makes ``lookup`` report a miss.
+Errors: malformed arguments (shapes, dtypes, unknown shard index, an ``after`` that is
+not an event of the store's platform, addresses whose pieces do not lie inside the
+platform's buffers at the configured piece sizes) raise ``ValueError`` / ``TypeError``
+at the call, before anything is queued; failures while moving bytes never raise from
+``wait`` but show up as per-block statuses (``FAILED``); a backing service that does
+not answer makes ``lookup`` report a miss. Using a closed store is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -42,9 +54,14 @@ import abc
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from kvfabric.platform.stream import Event
+
+if TYPE_CHECKING:
+    from kvfabric.platform.base import Platform
 
 ID_BYTES = 16
 
@@ -73,10 +90,15 @@ class StoreLayout:
     num_shards: int = 1
 
     def __post_init__(self) -> None:
-        if not self.piece_sizes or any(int(s) <= 0 for s in self.piece_sizes):
+        try:
+            sizes = tuple(int(s) for s in self.piece_sizes)
+        except (TypeError, ValueError):
+            raise TypeError(f"piece_sizes must be a sequence of ints, got {self.piece_sizes!r}") from None
+        if not sizes or any(s <= 0 for s in sizes):
             raise ValueError(f"piece_sizes must be positive byte counts, got {self.piece_sizes!r}")
-        if self.num_shards < 1:
-            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        object.__setattr__(self, "piece_sizes", sizes)
+        if isinstance(self.num_shards, bool) or not isinstance(self.num_shards, int) or self.num_shards < 1:
+            raise ValueError(f"num_shards must be an int >= 1, got {self.num_shards!r}")
 
     @property
     def shard_bytes(self) -> int:
@@ -85,6 +107,17 @@ class StoreLayout:
     @property
     def pieces(self) -> int:
         return len(self.piece_sizes)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``(m,)`` uint64 byte offsets of the pieces inside a contiguous shard."""
+        sizes = np.asarray(self.piece_sizes, np.uint64)
+        return np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.uint64)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """``(m,)`` uint64 piece sizes."""
+        return np.asarray(self.piece_sizes, np.uint64)
 
 
 def check_ids(ids: Any) -> np.ndarray:
@@ -111,6 +144,34 @@ def check_addrs(addrs: Any, n: int, layout: StoreLayout) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def check_ranges(platform: Platform, addrs: np.ndarray, layout: StoreLayout) -> np.ndarray:
+    """Check that every piece ``addrs[i, j] .. + piece_sizes[j]`` lies inside one live buffer
+    of ``platform``; return the ``(n, m)`` medium codes (0 DRAM, 1 HBM). Vectorised."""
+    sizes = np.broadcast_to(np.asarray(layout.piece_sizes, np.uint64), addrs.shape)
+    try:
+        return platform.media_of(addrs, sizes, "piece").reshape(addrs.shape)
+    except ValueError:
+        pass
+    for (i, j), ptr in np.ndenumerate(addrs):  # error path only: name the first stray piece
+        try:
+            platform.find(int(ptr), int(layout.piece_sizes[j]))
+        except ValueError:
+            raise ValueError(
+                f"block {i}, piece {j}: {layout.piece_sizes[j]} B at {int(ptr):#x} is not inside any "
+                f"live buffer of {platform!r} (the layout's piece sizes are {list(layout.piece_sizes)})"
+            ) from None
+    raise ValueError("addrs do not lie inside the platform's buffers")  # pragma: no cover
+
+
+def check_after(after: Any, platform: Platform) -> Event | None:
+    """``after`` must be None or an ``Event`` of ``platform``."""
+    if after is None:
+        return None
+    if not isinstance(after, Event) or after.platform is not platform:
+        raise TypeError(f"after must be None or an Event of {platform!r}, got {type(after).__name__}")
+    return after
+
+
 def check_shard(shard_idx: int, layout: StoreLayout) -> int:
     if isinstance(shard_idx, bool) or not isinstance(shard_idx, (int, np.integer)):
         raise TypeError(f"shard_idx must be an int, got {type(shard_idx).__name__}")
@@ -133,6 +194,8 @@ class Store(abc.ABC):
     name: str = "abstract"
 
     layout: StoreLayout
+    #: the platform whose buffers ``addrs`` point into (the caller owns it)
+    platform: Platform
 
     @abc.abstractmethod
     def lookup(self, ids: np.ndarray) -> np.ndarray: ...
@@ -159,6 +222,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self, task: Task) -> None: ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start (blocks and bytes loaded / dumped / missed / failed ...)."""
+        return {}
 
     def close(self) -> None:
         """Finish or cancel outstanding tasks and release resources. Idempotent."""

@@ -1,0 +1,197 @@
+"""The store conformance suite, part 2: failures. A killed writer, cancellation, timeouts,
+failed copies and ``close`` with work outstanding. Imported by ``store_contract``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from stores import (
+    LAYOUT,
+    PERSISTENT,
+    Blocks,
+    block_bytes,
+    blocked_event,
+    build_store,
+    child_dump_forever,
+    clear_faults,
+    fail_copies,
+    lowest,
+    random_ids,
+)
+
+from kvfabric.ucm_layer.store.base import BlockStatus
+
+OK, FAILED = int(BlockStatus.OK), int(BlockStatus.FAILED)
+CANCELLED, TIMEOUT = int(BlockStatus.CANCELLED), int(BlockStatus.TIMEOUT)
+N = 16
+
+
+def dump_all(store, ids, blocks, after=None):
+    return store.wait(store.dump(ids, 0, blocks.addrs, after=after))
+
+
+def load_all(store, ids, blocks):
+    return store.wait(store.load(ids, 0, blocks.addrs))
+
+
+# ---------------------------------------------------------------------------- a writer killed
+def _spawn_writer(spec, root, stall, seed, platform):
+    ctx = mp.get_context("spawn")
+    env = {k: v for k, v in os.environ.items() if k.startswith("KVFABRIC_")}
+    args = (spec, str(root), env, seed, 8, stall, platform)
+    proc = ctx.Process(target=child_dump_forever, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def _wait_for(path, proc, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.is_alive(), "the writer died on its own"
+        assert time.monotonic() < deadline, f"the writer never reached {path}"
+        time.sleep(0.01)
+
+
+def _verify_visible(store, plat, ids):
+    """Every block ``lookup`` shows loads bit-exact; returns how many were visible."""
+    mask = store.lookup(ids)
+    vis = ids[mask]
+    if len(vis):
+        dst = Blocks(plat, LAYOUT, len(vis))
+        assert (load_all(store, vis, dst) == OK).all()
+        assert np.array_equal(dst.read(), block_bytes(vis, LAYOUT.shard_bytes))
+        dst.free()
+    return int(mask.sum())
+
+
+def test_writer_killed_mid_dump_leaves_no_torn_block(store_spec, tmp_path, plat, spec):
+    if lowest(store_spec) not in PERSISTENT:
+        pytest.skip(f"{store_spec!r} keeps blocks in the writer's own memory: they die with it")
+    # deterministic: the writer stalls in the middle of a block file, then is killed
+    proc = _spawn_writer(store_spec, tmp_path, stall=True, seed=100, platform=spec)
+    try:
+        _wait_for(tmp_path / "stalled", proc)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+    s = build_store(store_spec, tmp_path, plat)
+    try:
+        assert _verify_visible(s, plat, random_ids(8, 100)) < 8  # the stalled block never shows
+        # and killed at arbitrary moments, round after round
+        for k in range(3):
+            (tmp_path / "progress").unlink(missing_ok=True)
+            proc = _spawn_writer(store_spec, tmp_path, stall=False, seed=1000 * (k + 1), platform=spec)
+            try:
+                _wait_for(tmp_path / "progress", proc)
+                time.sleep(0.01 + 0.03 * k)
+            finally:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(30)
+            rounds = int((tmp_path / "progress").read_text() or 0) + 2
+            seen = sum(_verify_visible(s, plat, random_ids(8, 1000 * (k + 1) + r)) for r in range(rounds))
+            assert seen >= 8  # at least the first round completed before the kill
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------------------- cancel, timeout
+def test_cancelled_dump_leaves_nothing_visible(store, plat):
+    ids = random_ids(N, 8)
+    src = Blocks(plat, LAYOUT, N)
+    src.write(block_bytes(ids, LAYOUT.shard_bytes))
+    s, ev = blocked_event(plat, 1.5)
+    t = store.dump(ids, 0, src.addrs, after=ev)
+    assert not store.check(t)
+    store.cancel(t)
+    assert store.check(t)
+    assert (store.wait(t) == CANCELLED).all()
+    s.synchronize()
+    time.sleep(0.1)
+    assert not store.lookup(ids).any()
+
+
+def test_cancelled_load_touches_nothing_it_did_not_report(store, plat):
+    ids = random_ids(64, 9)
+    data = block_bytes(ids, LAYOUT.shard_bytes)
+    src, dst = Blocks(plat, LAYOUT, 64), Blocks(plat, LAYOUT, 64)
+    src.write(data)
+    assert (dump_all(store, ids, src) == OK).all()
+    t = store.load(ids, 0, dst.addrs)
+    store.cancel(t)
+    st = store.wait(t)
+    assert set(np.unique(st)) <= {OK, CANCELLED}
+    got = dst.read()
+    for i in range(64):
+        assert np.array_equal(got[i], data[i]) if st[i] == OK else dst.untouched(i)
+
+
+def test_dump_timeout_cancels_cleanly(store, plat):
+    ids = random_ids(N, 10)
+    src = Blocks(plat, LAYOUT, N)
+    src.write(block_bytes(ids, LAYOUT.shard_bytes))
+    s, ev = blocked_event(plat, 1.5)
+    t = store.dump(ids, 0, src.addrs, after=ev)
+    assert (store.wait(t, timeout=0.1) == TIMEOUT).all()
+    s.synchronize()
+    time.sleep(0.1)
+    assert not store.lookup(ids).any()
+    # the store still works afterwards
+    assert (dump_all(store, ids, src) == OK).all()
+
+
+def test_load_timeout_reports_and_touches_only_finished_blocks(store, plat):
+    ids = random_ids(64, 11)
+    data = block_bytes(ids, LAYOUT.shard_bytes)
+    src, dst = Blocks(plat, LAYOUT, 64), Blocks(plat, LAYOUT, 64)
+    src.write(data)
+    assert (dump_all(store, ids, src) == OK).all()
+    st = store.wait(store.load(ids, 0, dst.addrs), timeout=0)
+    assert set(np.unique(st)) <= {OK, TIMEOUT}
+    time.sleep(0.2)  # whatever was still running has stopped by now
+    got = dst.read()
+    for i in range(64):
+        assert np.array_equal(got[i], data[i]) if st[i] == OK else dst.untouched(i)
+
+
+def test_failed_copies_are_per_block_failures(store, plat):
+    ids = random_ids(8, 12)
+    src, dst = Blocks(plat, LAYOUT, 8), Blocks(plat, LAYOUT, 8)
+    src.write(block_bytes(ids, LAYOUT.shard_bytes))
+    fail_copies(plat)
+    st = dump_all(store, ids, src)
+    clear_faults(plat)
+    assert (st == FAILED).all()
+    assert not store.lookup(ids).any()
+    assert (dump_all(store, ids, src) == OK).all()
+    fail_copies(plat)
+    st = load_all(store, ids, dst)
+    clear_faults(plat)
+    assert (st == FAILED).all()
+
+
+def test_close_finishes_or_cancels_outstanding_tasks(store_spec, tmp_path, plat, monkeypatch):
+    from kvfabric.ucm_layer.store import common
+
+    monkeypatch.setattr(common, "CLOSE_GRACE_S", 0.2)
+    s = build_store(store_spec, tmp_path, plat)
+    ids = random_ids(N, 15)
+    src = Blocks(plat, LAYOUT, N)
+    src.write(block_bytes(ids, LAYOUT.shard_bytes))
+    done = s.dump(ids[:4], 0, src.addrs[:4])  # runs to completion
+    stream, ev = blocked_event(plat, 1.0)
+    stuck = s.dump(ids[4:], 0, src.addrs[4:], after=ev)  # waits on an event that is late
+    s.close()
+    assert (s.wait(done) == OK).all()
+    assert (s.wait(stuck) == CANCELLED).all()
+    stream.synchronize()
+    if lowest(store_spec) in PERSISTENT:
+        again = build_store(store_spec, tmp_path, plat)
+        try:
+            assert again.lookup(ids).tolist() == [True] * 4 + [False] * (N - 4)
+        finally:
+            again.close()

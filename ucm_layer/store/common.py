@@ -1,0 +1,161 @@
+"""``TaskStore``: what the stores of this package share on top of the contract.
+
+Argument checking (ids, shard index, address matrix against the platform's live buffers
+at the configured piece sizes, the ``after`` event), task creation with per-status
+counters, and ``check`` / ``wait`` / ``cancel`` on :class:`StoreTask`. A store subclass
+implements ``lookup``, ``_start_load`` and ``_start_dump``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvfabric.platform.base import Platform
+from kvfabric.platform.stream import Event
+from kvfabric.ucm_layer.store.base import (
+    BlockStatus,
+    Store,
+    StoreLayout,
+    Task,
+    TaskKind,
+    check_addrs,
+    check_after,
+    check_ids,
+    check_ranges,
+    check_shard,
+)
+from kvfabric.ucm_layer.store.task import StoreTask, check_task, wait_task
+
+CLOSE_GRACE_S = 10.0  # how long close() lets outstanding tasks finish before cancelling them
+
+
+@dataclass(frozen=True)
+class Request:
+    """A checked load or dump: ids, shard, ``(n, m)`` addresses and their media codes."""
+
+    ids: np.ndarray
+    shard: int
+    addrs: np.ndarray
+    media: np.ndarray
+    after: Event | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.shape[0])
+
+    def host_contiguous(self, layout: StoreLayout) -> bool:
+        """Every shard is one contiguous run of host (DRAM) memory."""
+        if self.n == 0 or self.media.any():
+            return False
+        if layout.pieces == 1:
+            return True
+        step = np.diff(self.addrs, axis=1)
+        return bool((step == layout.sizes[:-1]).all())
+
+
+class TaskStore(Store):
+    """Common machinery of the stores in this package (see module docstring)."""
+
+    def __init__(self, platform: Platform, layout: StoreLayout) -> None:
+        if not isinstance(platform, Platform):
+            raise TypeError(f"a store needs a kvfabric Platform, got {type(platform).__name__}")
+        if not isinstance(layout, StoreLayout):
+            raise TypeError(f"a store needs a StoreLayout, got {type(layout).__name__}")
+        self.platform = platform
+        self.layout = layout
+        self._closed = False
+        self._stats_lock = threading.Lock()
+        self._counts = {k: np.zeros(len(BlockStatus), np.int64) for k in TaskKind}
+        self._live: weakref.WeakSet[StoreTask] = weakref.WeakSet()
+
+    # ------------------------------------------------------------------ checks
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"store {self.name!r} is closed")
+
+    def _request(self, ids: Any, shard_idx: int, addrs: Any, after: Any = None) -> Request:
+        self._check_open()
+        arr = check_ids(ids)
+        shard = check_shard(shard_idx, self.layout)
+        a = check_addrs(addrs, arr.shape[0], self.layout)
+        media = check_ranges(self.platform, a, self.layout) if a.size else np.zeros(a.shape, np.uint8)
+        return Request(arr, shard, a, media, check_after(after, self.platform))
+
+    def _ids(self, ids: Any) -> np.ndarray:
+        self._check_open()
+        return check_ids(ids)
+
+    def _new_task(self, kind: TaskKind, n: int, chunk: int = 1) -> StoreTask:
+        task = StoreTask(self, kind, n, chunk)
+        task.on_done(self._count)
+        self._live.add(task)
+        return task
+
+    def _settle(self, timeout: float | None = None) -> None:
+        """For ``close``: let outstanding tasks finish for up to ``timeout`` seconds (default
+        ``CLOSE_GRACE_S``), then cancel the rest (e.g. a dump waiting on an event that never
+        comes)."""
+        deadline = time.monotonic() + (CLOSE_GRACE_S if timeout is None else timeout)
+        for task in list(self._live):
+            if not task.wait_finished(max(0.0, deadline - time.monotonic())):
+                task.cancel(BlockStatus.CANCELLED)
+
+    def _count(self, task: StoreTask) -> None:
+        c = np.bincount(task.status.astype(np.int64), minlength=len(BlockStatus))[: len(BlockStatus)]
+        with self._stats_lock:
+            self._counts[task.kind] += c
+
+    # ------------------------------------------------------------------ contract
+    def load(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray) -> Task:
+        req = self._request(ids, shard_idx, addrs)
+        task = self._new_task(TaskKind.LOAD, req.n, self._chunk_blocks())
+        self._start_load(req, task)
+        return task
+
+    def dump(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray, after: Any = None) -> Task:
+        req = self._request(ids, shard_idx, addrs, after)
+        task = self._new_task(TaskKind.DUMP, req.n, self._chunk_blocks())
+        self._start_dump(req, task)
+        return task
+
+    def _chunk_blocks(self) -> int:
+        return 1 << 30  # one chunk: the whole call (stores that split work override)
+
+    def _start_load(self, req: Request, task: StoreTask) -> None:
+        raise NotImplementedError
+
+    def _start_dump(self, req: Request, task: StoreTask) -> None:
+        raise NotImplementedError
+
+    def check(self, task: Task) -> bool:
+        return check_task(task, self).finished()
+
+    def wait(self, task: Task, timeout: float | None = None) -> np.ndarray:
+        return wait_task(self, task, timeout)
+
+    def cancel(self, task: Task) -> None:
+        check_task(task, self).cancel(BlockStatus.CANCELLED)
+
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with self._stats_lock:
+            for kind, counts in self._counts.items():
+                for st in BlockStatus:
+                    if st is not BlockStatus.PENDING:
+                        out[f"{kind.value}_{st.name.lower()}"] = int(counts[st])
+        return out
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.name}, {self.layout.pieces} piece(s), {self.layout.shard_bytes} B)"
+        )

@@ -1,0 +1,369 @@
+"""``posix``: one file per block on POSIX file systems (local disks, NFS, Lustre, tmpfs).
+
+Files and atomic writes: see ``posix_files.py``; capacity and GC: see ``posix_gc.py``.
+
+Data path: the caller's addresses may be device memory, so a load reads each file into
+a pinned host *bounce* area owned by the worker thread and then moves every piece of the
+chunk into place with one ``batch_copy`` on the thread's stream; a dump does the reverse
+(one ``batch_copy`` into the bounce area after ``after``, then the file writes). When
+every shard of a call is one contiguous run of host memory (a cache slot, a pinned host
+buffer), files are read into and written from that memory directly, with no bounce copy.
+
+* ``lookup`` is an existence check of the final names (a file exists only once complete).
+* Loads refresh the file's mtime (``posix.touch``): mtime is the hotness clock of GC.
+* ``posix.direct`` opens files with ``O_DIRECT`` when the shard size is a multiple of
+  4096 and the file system accepts it (probed at start; tmpfs does not), for reads
+  into and one-shard writes from the bounce area.
+* ENOSPC and every other I/O error make that block ``FAILED``; ENOSPC also wakes GC.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvfabric.errors import KVFabricError
+from kvfabric.platform.base import Platform
+from kvfabric.platform.types import Medium
+from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout, TaskKind
+from kvfabric.ucm_layer.store.common import Request, TaskStore
+from kvfabric.ucm_layer.store.config import Key, as_bool, as_float, as_int, as_paths, as_size, parse_keys
+from kvfabric.ucm_layer.store.host_views import host_view
+from kvfabric.ucm_layer.store.posix_files import ALIGN, BlockFiles, FileIO, PartWriter, write_single
+from kvfabric.ucm_layer.store.posix_gc import Collector
+from kvfabric.ucm_layer.store.task import StoreTask
+from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, slot_pieces, wait_after
+
+log = logging.getLogger("kvfabric.store.posix")
+
+OK, MISSING, FAILED = BlockStatus.OK, BlockStatus.MISSING, BlockStatus.FAILED
+
+
+@dataclass(frozen=True)
+class PosixConfig:
+    """Configuration of the posix store (keys ``posix.*``; see docs/stores.md)."""
+
+    dirs: tuple[str, ...]
+    capacity: int = 0
+    gc_high: float = 0.95
+    gc_low: float = 0.85
+    gc_interval: float = 30.0
+    tmp_ttl: float = 3600.0
+    direct: bool = False
+    fsync: bool = False
+    touch: bool = True
+    io_threads: int = 4
+    chunk: int = 16 << 20
+
+    KEYS: ClassVar[tuple[Key, ...]] = (
+        Key("dirs", as_paths, None, "backend directories (list, or comma-separated); blocks spread by id"),
+        Key("capacity", as_size, 0, "bytes of block files kept; 0 = no limit (GC removes the coldest)"),
+        Key("gc_high", as_float(0.01, 1.0), 0.95, "GC starts above this fraction of capacity"),
+        Key("gc_low", as_float(0.0, 1.0), 0.85, "GC removes the coldest blocks down to this fraction"),
+        Key("gc_interval", as_float(0.01), 30.0, "seconds between usage scans (when capacity is set)"),
+        Key("tmp_ttl", as_float(0.0), 3600.0, "seconds after which abandoned temporary files go"),
+        Key("direct", as_bool, False, "O_DIRECT when the shard size is a multiple of 4096"),
+        Key("fsync", as_bool, False, "fsync each file before it becomes visible (power-loss safety)"),
+        Key("touch", as_bool, True, "loads refresh the file's mtime (the GC hotness clock)"),
+        Key("io_threads", as_int(1, 256), 4, "worker threads doing file I/O"),
+        Key("chunk", as_size, 16 << 20, "bytes of blocks one worker moves per batched copy"),
+    )
+
+    def __post_init__(self) -> None:
+        if not self.dirs:
+            raise ValueError("posix.dirs is required: the directories that hold block files")
+        if self.gc_low >= self.gc_high:
+            raise ValueError(f"posix.gc_low ({self.gc_low}) must be below posix.gc_high ({self.gc_high})")
+
+    @classmethod
+    def from_mapping(cls, config: Mapping[str, Any]) -> PosixConfig:
+        values = parse_keys("posix", cls.KEYS, config)
+        if values["dirs"] is None:
+            raise ValueError("config key posix.dirs is required (the directories that hold block files)")
+        return cls(**values)
+
+
+def _probe_direct(dirs: tuple[str, ...]) -> bool:
+    """Whether every directory's file system accepts O_DIRECT."""
+    for d in dirs:
+        probe = os.path.join(d, f".kvf-direct-probe.{os.getpid()}")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+            os.close(fd)
+        except OSError as e:
+            log.warning("posix.direct: %s does not accept O_DIRECT (%s); using buffered I/O", d, e)
+            return False
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+    return True
+
+
+class PosixStore(TaskStore):
+    """The posix store (see module docstring)."""
+
+    name = "posix"
+
+    def __init__(
+        self,
+        config: PosixConfig,
+        *,
+        platform: Platform,
+        layout: StoreLayout,
+        io: FileIO | None = None,
+        background_gc: bool = True,
+    ) -> None:
+        super().__init__(platform, layout)
+        self.config = config
+        self.io = io or FileIO()
+        self.files = BlockFiles(config.dirs)
+        self.stride = layout.shard_bytes
+        self.file_bytes = layout.num_shards * self.stride
+        self.direct = bool(config.direct and self.stride % ALIGN == 0 and _probe_direct(self.files.dirs))
+        self.slot_bytes = -(-self.stride // ALIGN) * ALIGN
+        self.chunk_blocks = max(1, min(256, config.chunk // self.slot_bytes))
+        self._offsets, self._sizes = layout.offsets, layout.sizes
+        self.gc = Collector(
+            config.dirs,
+            config.capacity,
+            config.gc_high,
+            config.gc_low,
+            config.gc_interval,
+            config.tmp_ttl,
+            background=background_gc,
+        )
+        try:
+            self.workers = Workers(
+                platform,
+                config.io_threads,
+                "kvfabric-posix",
+                scratch=lambda i: platform.alloc(self.chunk_blocks * self.slot_bytes, Medium.DRAM),
+                release=platform.free,
+            )
+        except BaseException:
+            self.gc.close()
+            raise
+        self._warned: set[str] = set()
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], **kwargs: Any) -> PosixStore:
+        return cls(PosixConfig.from_mapping(config), **kwargs)
+
+    def _chunk_blocks(self) -> int:
+        return self.chunk_blocks
+
+    def _warn(self, kind: str, msg: str, *args: object) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(msg, *args)
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        arr = self._ids(ids)
+        return self.files.exists(self.files.paths(arr))
+
+    def lookup_prefix(self, ids: np.ndarray) -> int:
+        """Existence checks in order, stopping at the first missing block."""
+        paths = self.files.paths(self._ids(ids))
+        for i, path in enumerate(paths):
+            if not os.access(path, os.F_OK):
+                return i
+        return len(paths)
+
+    def prefetch(self, ids: np.ndarray) -> None:
+        """Ask the kernel to read present blocks ahead (``posix_fadvise(WILLNEED)``)."""
+        paths = self.files.paths(self._ids(ids))
+        if not paths or not hasattr(os, "posix_fadvise"):
+            return
+        task = StoreTask(self, TaskKind.LOAD, 1)
+
+        def job(ctx: WorkerContext) -> None:
+            for p in paths:
+                try:
+                    fd = os.open(p, os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            task.set(0, OK)
+
+        self.workers.submit(task, job)
+        task.seal()
+
+    # ------------------------------------------------------------------ load
+    def _start_load(self, req: Request, task: StoreTask) -> None:
+        host = req.host_contiguous(self.layout)
+        self.workers.run(task, lambda ctx, sl: self._load_chunk(ctx, sl, task, req, host))
+
+    def _read(self, path: str, view: memoryview, offset: int, direct: bool) -> BlockStatus:
+        try:
+            fd = self.io.open_read(path, direct)
+        except FileNotFoundError:
+            return MISSING
+        except OSError as e:
+            self._warn("open", "posix store: cannot open %s: %s", path, e)
+            return FAILED
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.file_bytes:
+                self._warn(
+                    "size",
+                    "posix store: %s has %d B, expected %d (another layout?)",
+                    path,
+                    size,
+                    self.file_bytes,
+                )
+                return FAILED
+            self.io.read_into(fd, view, offset)
+            if self.config.touch:
+                self.io.touch(fd)
+            return OK
+        except OSError as e:
+            self._warn("read", "posix store: reading %s failed: %s", path, e)
+            return FAILED
+        finally:
+            self.io.close(fd)
+
+    def _load_chunk(self, ctx: WorkerContext, sl: slice, task: StoreTask, req: Request, host: bool) -> None:
+        paths = self.files.paths(req.ids[sl])
+        offset = req.shard * self.stride
+        if host:  # straight into the caller's host memory
+            for j, path in enumerate(paths):
+                with task.guard() as ok:
+                    if not ok:
+                        return
+                    view = host_view(int(req.addrs[sl.start + j, 0]), self.stride)
+                    task.set(sl.start + j, self._read(path, view, offset, False))
+            return
+        bounce = ctx.scratch.numpy()
+        got = np.zeros(len(paths), bool)
+        for j, path in enumerate(paths):
+            if task.cancelled is not None:
+                return
+            view = memoryview(bounce[j * self.slot_bytes : j * self.slot_bytes + self.stride])
+            st = self._read(path, view, offset, self.direct)
+            if st is OK:
+                got[j] = True
+            else:
+                task.set(sl.start + j, st)
+        idx = np.flatnonzero(got)
+        if not idx.size:
+            return
+        src = slot_pieces(ctx.scratch.ptr + idx.astype(np.uint64) * self.slot_bytes, self._offsets)
+        with task.guard() as ok:
+            if not ok:
+                return
+            try:
+                copy_pieces(self.platform, ctx.stream, req.addrs[sl][idx], src, self._piece_sizes(idx.size))
+            except KVFabricError as e:
+                self._warn("copy", "posix store: copy into the caller's buffers failed: %s", e)
+                task.set(sl.start + idx, FAILED)
+                return
+            task.set(sl.start + idx, OK)
+
+    def _piece_sizes(self, k: int) -> np.ndarray:
+        return np.broadcast_to(self._sizes, (k, self.layout.pieces))
+
+    # ------------------------------------------------------------------ dump
+    def _start_dump(self, req: Request, task: StoreTask) -> None:
+        host = req.host_contiguous(self.layout)
+        self.workers.run(task, lambda ctx, sl: self._dump_chunk(ctx, sl, task, req, host))
+
+    def _dump_chunk(self, ctx: WorkerContext, sl: slice, task: StoreTask, req: Request, host: bool) -> None:
+        verdict = wait_after(req.after, task, ctx.stream)
+        if verdict is FAILED:
+            task.fail_pending(sl)
+        if verdict is not None:
+            return
+        paths = self.files.paths(req.ids[sl])
+        present = self.files.exists(paths)
+        task.set(sl.start + np.flatnonzero(present), OK)
+        todo = np.flatnonzero(~present)
+        if not todo.size:
+            return
+        if host:  # straight from the caller's host memory, under the guard throughout
+            for j in todo.tolist():
+                with task.guard() as ok:
+                    if not ok:
+                        return
+                    view = host_view(int(req.addrs[sl.start + j, 0]), self.stride)
+                    self._write(paths[j], view, req.shard, task, sl.start + j, direct=False)
+            return
+        dst = slot_pieces(
+            ctx.scratch.ptr + np.arange(todo.size, dtype=np.uint64) * self.slot_bytes, self._offsets
+        )
+        with task.guard() as ok:
+            if not ok:
+                return
+            try:
+                copy_pieces(self.platform, ctx.stream, dst, req.addrs[sl][todo], self._piece_sizes(todo.size))
+            except KVFabricError as e:
+                self._warn("copy", "posix store: copy out of the caller's buffers failed: %s", e)
+                task.set(sl.start + todo, FAILED)
+                return
+        bounce = ctx.scratch.numpy()
+        for q, j in enumerate(todo.tolist()):
+            if task.cancelled is not None:
+                return
+            view = memoryview(bounce[q * self.slot_bytes : q * self.slot_bytes + self.stride])
+            self._write(paths[j], view, req.shard, task, sl.start + j, direct=self.direct)
+
+    def _write(self, final: str, view: memoryview, shard: int, task: StoreTask, i: int, direct: bool) -> None:
+        try:
+            if self.layout.num_shards == 1:
+                tmp = write_single(self.io, final, view, direct, self.config.fsync)
+                with task.guard() as ok:
+                    if ok:
+                        self.io.rename(tmp, final)
+                        task.set(i, OK)
+                        self.gc.added(self.file_bytes)
+                        return
+                self.io.unlink(tmp)
+                return
+            w = PartWriter(self.io, final, self.layout.num_shards, self.stride, self.config.fsync)
+            try:
+                if not w.write(shard, view):
+                    task.set(i, OK)  # the block got complete meanwhile
+                    return
+                with task.guard() as ok:
+                    if ok:
+                        if w.arrive(shard):
+                            self.gc.added(self.file_bytes)
+                        task.set(i, OK)
+            finally:
+                w.close()
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                self.gc.out_of_space()
+                self._warn("enospc", "posix store: out of space writing %s", final)
+            else:
+                self._warn("write", "posix store: writing %s failed: %s", final, e)
+            task.set(i, FAILED)
+
+    # ------------------------------------------------------------------ maintenance
+    def collect(self) -> Any:
+        """Run one maintenance scan now (usage, GC, stale temporaries); return its report."""
+        return self.gc.collect()
+
+    def stats(self) -> dict[str, int]:
+        out = super().stats()
+        out["usage_bytes"] = int(self.gc.usage)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._settle()
+        self.workers.close()
+        self.gc.close()

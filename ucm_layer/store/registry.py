@@ -1,0 +1,150 @@
+"""The store registry: names to classes (imported lazily), pipelines by spec, one config.
+
+A spec is a store name (``"posix"``) or a pipeline of a caching tier above one store
+(``"cache|posix"``). ``create(spec, config, platform=..., layout=...)`` builds it from
+one flat mapping: ``"store"`` (the spec, when ``spec`` is not given) and
+``"<store>.<key>"`` entries that each store validates; ``"pipeline.<key>"`` configures
+the pipeline. Keys for stores that are not part of the spec, and keys of no store at
+all, are errors that name the key, so a typo never goes unnoticed.
+
+Adding a store (e.g. the pool store): ``STORES["pool"] = "kvfabric.ucm_layer.store.pool:PoolStore"``
+here, or :func:`register` from outside. Its class implements the contract (``base.py``),
+takes ``(config_mapping, platform=, layout=)`` through ``from_config`` and returns
+:class:`~kvfabric.ucm_layer.store.task.StoreTask` tasks (pipelines cancel them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from kvfabric.platform.base import Platform
+from kvfabric.ucm_layer.store.base import Store, StoreLayout
+
+STORES: dict[str, str] = {
+    "posix": "kvfabric.ucm_layer.store.posix:PosixStore",
+    "cache": "kvfabric.ucm_layer.store.cache:CacheStore",
+}
+#: stores that may sit above another one in a pipeline
+CACHING_TIERS: set[str] = {"cache"}
+PIPELINE_PREFIX = "pipeline"
+SPEC_KEY = "store"
+
+_lock = threading.Lock()
+
+
+def register(name: str, target: str, caching: bool = False) -> None:
+    """Register store ``name`` as ``"package.module:Class"`` (imported when first built)."""
+    if not name or not name.isidentifier() or name == PIPELINE_PREFIX:
+        raise ValueError(f"store name must be an identifier other than {PIPELINE_PREFIX!r}, got {name!r}")
+    if ":" not in target:
+        raise ValueError(f"store target must be 'package.module:Class', got {target!r}")
+    with _lock:
+        STORES[name] = target
+        if caching:
+            CACHING_TIERS.add(name)
+
+
+def available() -> list[str]:
+    return sorted(STORES)
+
+
+def store_class(name: str) -> type[Store]:
+    """The class registered as ``name`` (imports its module now)."""
+    target = STORES.get(name)
+    if target is None:
+        raise ValueError(f"unknown store {name!r}; known: {', '.join(available())}")
+    module_name, _, cls_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"store {name!r} needs {module_name!r}, which failed to import: {e}") from e
+    cls = getattr(module, cls_name, None)
+    if cls is None or not (isinstance(cls, type) and issubclass(cls, Store)):
+        raise ImportError(f"{target!r} (store {name!r}) is not a Store class")
+    return cls
+
+
+def parse_spec(spec: str) -> tuple[str, ...]:
+    """``"cache|posix"`` -> ``("cache", "posix")``, checked against the registry."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"store spec must be a name like 'posix' or 'cache|posix', got {spec!r}")
+    tiers = tuple(t.strip() for t in spec.split("|"))
+    for t in tiers:
+        if t not in STORES:
+            raise ValueError(f"unknown store {t!r} in {spec!r}; known: {', '.join(available())}")
+    if len(set(tiers)) != len(tiers):
+        raise ValueError(f"store spec {spec!r} names a store twice")
+    if len(tiers) > 2:
+        raise ValueError(f"store spec {spec!r}: a pipeline is one caching tier above one store")
+    if len(tiers) == 2 and tiers[0] not in CACHING_TIERS:
+        raise ValueError(
+            f"store spec {spec!r}: only a caching tier ({', '.join(sorted(CACHING_TIERS))}) may sit "
+            "above another store"
+        )
+    return tiers
+
+
+def check_keys(spec: str, tiers: tuple[str, ...], config: Mapping[str, Any]) -> None:
+    """Every key belongs to a tier of ``spec`` (or the pipeline, or is ``"store"``)."""
+    owners = set(tiers) | ({PIPELINE_PREFIX} if len(tiers) > 1 else set())
+    names = ", ".join(sorted(owners))
+    for key in config:
+        if key == SPEC_KEY:
+            continue
+        if not isinstance(key, str) or "." not in key:
+            raise ValueError(f"config key {key!r} is not '<store>.<name>' (stores of {spec!r}: {names})")
+        prefix = key.split(".", 1)[0]
+        if prefix in owners:
+            continue
+        if prefix in STORES or prefix == PIPELINE_PREFIX:
+            raise ValueError(
+                f"config key {key!r} is for {prefix!r}, which is not part of store spec {spec!r}"
+            )
+        raise ValueError(f"unknown config key {key!r}: no store {prefix!r} (stores of {spec!r}: {names})")
+
+
+def create(
+    spec: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    *,
+    layout: StoreLayout,
+    platform: Platform | None = None,
+) -> Store:
+    """Build the store or pipeline ``spec`` (default: ``config["store"]``) from ``config``.
+
+    ``platform`` defaults to the process-wide one; every tier shares it. The caller owns
+    the returned store and closes it (a pipeline closes its tiers)."""
+    cfg = dict(config or {})
+    if spec is None:
+        spec = cfg.get(SPEC_KEY)
+        if spec is None:
+            raise ValueError(f"no store spec: pass spec= or set config key {SPEC_KEY!r} (e.g. 'cache|posix')")
+    elif SPEC_KEY in cfg and cfg[SPEC_KEY] != spec:
+        raise ValueError(f"store spec {spec!r} disagrees with config key {SPEC_KEY}={cfg[SPEC_KEY]!r}")
+    tiers = parse_spec(spec)
+    check_keys(spec, tiers, cfg)
+    if platform is None:
+        from kvfabric.platform.registry import default
+
+        platform = default()
+    pipeline_config = None
+    if len(tiers) > 1:
+        from kvfabric.ucm_layer.store.pipeline import PipelineConfig
+
+        pipeline_config = PipelineConfig.from_mapping(cfg)  # checked before anything is built
+    built: list[Store] = []
+    try:
+        for name in tiers:
+            built.append(store_class(name).from_config(cfg, platform=platform, layout=layout))
+        if pipeline_config is None:
+            return built[0]
+        from kvfabric.ucm_layer.store.pipeline import Pipeline
+
+        return Pipeline(pipeline_config, built[0], built[1])
+    except BaseException:
+        for s in reversed(built):
+            s.close()
+        raise
