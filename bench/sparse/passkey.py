@@ -11,6 +11,7 @@ import math
 import random
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,12 +77,13 @@ def answer(
     config: dict,
     block_size: int = 16,
     max_new: int = 7,
+    **plugin_kwargs: Any,
 ) -> tuple[str, torch.Tensor, dict[str, float]]:
     """Greedy answer of ``method`` through the engine's hooks, the logits of the first
     answer token, and the plugin's statistics. The prompt's KV comes from ``cap`` (a dense
     prefill of all but its last token); the last prompt token runs as a decode step, so its
     attention, and the first answer token, already go through the plugin."""
-    plugin = create(method, spec_for(model, block_size), config)
+    plugin = create(method, spec_for(model, block_size), config, **plugin_kwargs)
     nblocks = -(-(len(pk.ids) + max_new) // block_size) + 2
     eng = PagedEngine(model, plugin, num_blocks=nblocks, block_size=block_size)
     eng.add_prefilled("r", pk.ids[:-1], cap.k, cap.v)
@@ -90,6 +92,7 @@ def answer(
     for _ in range(max_new - 1):
         out.append(int(eng.decode(["r"], [out[-1]])[0].argmax()))
     eng.finish("r")
+    plugin.close()
     return tok.decode(out), first, plugin.stats()
 
 

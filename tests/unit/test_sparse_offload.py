@@ -25,11 +25,22 @@ def _spec(model):
     return ModelSpec(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, BS)
 
 
-@pytest.fixture
-def env():
+def _store(kind, layout, plat, tmp_path):
+    if kind == "mem":
+        return MemStore(layout, plat)
+    from kvfabric.ucm_layer.store import create as create_store
+
+    cfg = {"cache.capacity": "16MiB", "posix.dirs": [str(tmp_path / "kv")]}
+    return create_store(
+        kind, {k: v for k, v in cfg.items() if k.split(".")[0] in kind}, layout=layout, platform=plat
+    )
+
+
+@pytest.fixture(params=["mem"])
+def env(request, tmp_path):
     plat = create_platform("sim")
     model = tiny_llama(seed=11)
-    store = MemStore(store_layout(BS, model.cfg.head_dim, 4), plat)
+    store = _store(request.param, store_layout(BS, model.cfg.head_dim, 4), plat, tmp_path)
     yield plat, model, store
     store.close()
     plat.close()
@@ -47,6 +58,7 @@ def _decode(model, plugin, prompt, steps, nblocks=64):
     return toks, torch.stack(logits), used
 
 
+@pytest.mark.parametrize("env", ["mem", "cache", "posix", "cache|posix"], indirect=True)
 def test_offloaded_decode_equals_resident_decode(env):
     plat, model, store = env
     prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(12)).tolist()
@@ -68,6 +80,7 @@ def test_offloaded_decode_equals_resident_decode(env):
         ids = block_ids(request_key("r"), layer, heads, blocks + 1)
         assert store.lookup(ids).all()
     assert not store.lookup(block_ids(request_key("r"), 0, np.array([0]), np.array([full]))).any()
+
     off.close()
 
 

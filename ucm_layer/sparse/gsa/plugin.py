@@ -76,7 +76,7 @@ class GSA(BlockSparseAttention):
 
     def request_begin(self, request_id: str, prompt_len: int) -> None:
         super().request_begin(request_id, prompt_len)
-        if self.offload and prompt_len > 2 * self._slots_needed() * self.model.block_size:
+        if self.offload and prompt_len > self._slots_needed() * self.model.block_size:
             sel = self.cfg.selection
             st = self._state(request_id)
             st.extra["offload"] = True
