@@ -141,7 +141,8 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
             rows.append(row)
             yield row
     busy = cpu_busy_fraction((cpu0, read_cpu_row()))
-    other = "busy" if busy > 0.5 + 0.5 / max(1, note["ncpu"] or 1) else "idle"
+    own = min(1.0, threads / max(1, note["ncpu"] or 1))
+    other = "busy" if busy > own + 0.25 else "idle"
     _say(
         f"gsa bench: {time.perf_counter() - t0:.0f} s; machine busy fraction {busy:.2f} "
         f"(other cores {other} while it ran)"
