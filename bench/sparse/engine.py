@@ -153,10 +153,20 @@ class PagedEngine:
             raise
 
     @torch.inference_mode()
-    def add_prefilled(self, rid: str, prompt: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def add_prefilled(
+        self,
+        rid: str,
+        prompt: list[int],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_prompt: torch.Tensor | None = None,
+        stride: int = 1,
+    ) -> None:
         """Admit a request whose prompt was already run densely elsewhere: ``k, v (L, Hkv, T, D)``
         go into the paged cache through the same slot mapping and hooks as a prefill step
-        (prefill attention is dense, so only the hooks' view of the keys matters)."""
+        (prefill attention is dense, so only the hooks' view of keys and queries matters).
+        ``q_prompt (L, ceil(T / stride), Hq, D)``: the prompt's queries at every ``stride``-th
+        token (the hooks see zeros elsewhere)."""
         c = self.model.cfg
         if k.shape != (c.num_layers, c.num_kv_heads, len(prompt), c.head_dim) or v.shape != k.shape:
             raise ValueError(f"k/v must be (layers, kv heads, {len(prompt)}, head_dim), got {tuple(k.shape)}")
@@ -171,6 +181,8 @@ class PagedEngine:
             meta = self.plugin.build_sparse_meta(batch, attn)
             q = torch.zeros((len(prompt), c.num_heads, c.head_dim))
             for layer in range(c.num_layers):
+                if q_prompt is not None:
+                    q[::stride] = q_prompt[layer]
                 kl, vl = k[layer].transpose(0, 1), v[layer].transpose(0, 1)
                 self._write(self.kv[layer], attn, kl, vl, [(0, len(prompt))])
                 self.plugin.attention_begin(layer, q, kl, vl, self.kv[layer], attn, meta)

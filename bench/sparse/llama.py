@@ -22,12 +22,16 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Capture:
-    """What ``prefill`` captured: keys/values ``(L, Hkv, T, D)`` of every token and the
-    queries ``(L, S, Hq, D)`` of the last ``S`` tokens (post-RoPE, as attention sees them)."""
+    """What ``prefill`` captured: keys/values ``(L, Hkv, T, D)`` of every token, the
+    queries ``(L, S, Hq, D)`` of the last ``S`` tokens, and the queries
+    ``(L, ceil(T / stride), Hq, D)`` of every ``stride``-th prompt token (post-RoPE, as
+    attention sees them)."""
 
     k: torch.Tensor
     v: torch.Tensor
     q_last: torch.Tensor
+    q_prompt: torch.Tensor | None = None
+    stride: int = 8
 
 
 class Llama:
@@ -85,15 +89,20 @@ class Llama:
         t = ids.shape[0]
         pos = torch.arange(t)
         x = self.embed(ids)
-        ks, vs, qs = [], [], []
+        ks, vs, qs, qp = [], [], [], []
         for layer in range(self.cfg.num_layers):
             q, k, v = self.qkv(layer, x, pos)
             if capture_last:
                 ks.append(k.transpose(0, 1))
                 vs.append(v.transpose(0, 1))
                 qs.append(q[t - capture_last :])
+                qp.append(q[::8])
             x = self.attn_out(layer, x, self.causal_attention(q, k, v))
-        cap = Capture(torch.stack(ks), torch.stack(vs), torch.stack(qs)) if capture_last else None
+        cap = (
+            Capture(torch.stack(ks), torch.stack(vs), torch.stack(qs), torch.stack(qp), 8)
+            if capture_last
+            else None
+        )
         return self.logits(x), cap
 
 

@@ -92,13 +92,15 @@ def evaluate(
     needles: Sequence[tuple[int, int, int]] = (),
     sink_blocks: int = 1,
     recent_blocks: int = 2,
+    prompt_q: torch.Tensor | None = None,
 ) -> list[Quality]:
     """Quality of ``method`` at each token budget (see the module docstring); the scorer is
-    fitted once on ``k`` and queried with every step of ``q``."""
+    fitted once on ``k`` (and the prompt's queries ``prompt_q (H, M, D)``, for scorers that
+    use them) and queried with every step of ``q``."""
     steps, h, _, d = q.shape
     n = k.shape[1]
     scorer = make_scorer(method.scorer, h, d, block_size, **dict(method.options or {}))
-    scorer.fit(k)
+    scorer.fit(k, prompt_q)
     nb = -(-n // block_size)
     pad = nb * block_size - n
     kc = torch.nn.functional.pad(k, (0, 0, 0, pad)).reshape(h, nb, block_size, d)

@@ -86,7 +86,7 @@ def answer(
     plugin = create(method, spec_for(model, block_size), config, **plugin_kwargs)
     nblocks = -(-(len(pk.ids) + max_new) // block_size) + 2
     eng = PagedEngine(model, plugin, num_blocks=nblocks, block_size=block_size)
-    eng.add_prefilled("r", pk.ids[:-1], cap.k, cap.v)
+    eng.add_prefilled("r", pk.ids[:-1], cap.k, cap.v, cap.q_prompt, cap.stride)
     first = eng.decode(["r"], [pk.ids[-1]])[0]
     out = [int(first.argmax())]
     for _ in range(max_new - 1):

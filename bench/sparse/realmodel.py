@@ -27,6 +27,7 @@ from kvfabric.bench.sparse.passkey import Passkey, answer, digits, kl_div, passk
 REAL_METHODS = (
     ("oracle", "oracle", "oracle", {}),
     ("gsa-r16", "gsa", "gsa", {"rank": 16}),
+    ("gsa-r16-qk", "gsa", "gsa", {"rank": 16, "basis": "keys+queries"}),
     ("quest", "quest", "quest", {}),
     ("meankey", "meankey", "meankey", {}),
     ("hata", "hata", "hata", {}),
@@ -69,6 +70,14 @@ def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> 
             q = cap.q_last.reshape(layers, -1, hkv, g, d).transpose(0, 1).reshape(-1, layers * hkv, g, d)
             k = cap.k.reshape(layers * hkv, t, d)
             v = cap.v.reshape(layers * hkv, t, d)
+            pq = None
+            if cap.q_prompt is not None:  # (L, M, Hq, D) -> (L * Hkv, M * G, D)
+                m_ = cap.q_prompt.shape[1]
+                pq = (
+                    cap.q_prompt.reshape(layers, m_, hkv, g, d)
+                    .permute(0, 2, 1, 3, 4)
+                    .reshape(layers * hkv, -1, d)
+                )
             needles = retrieval_needles(q, k, pk)
             p = torch.softmax(torch.matmul(q[-1], k.transpose(1, 2)) / d**0.5, dim=-1)
             top = torch.topk(p, max(1, int(0.02 * t)), -1).values.sum(-1)
@@ -96,7 +105,9 @@ def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> 
                 "kl": 0.0,
             }
             for label, plugin, scorer, opts in REAL_METHODS:
-                (qual,) = evaluate(MethodSpec(label, scorer, opts), q, k, v, [budget], needles=needles)
+                (qual,) = evaluate(
+                    MethodSpec(label, scorer, opts), q, k, v, [budget], needles=needles, prompt_q=pq
+                )
                 got, logits, st = answer(
                     llama, tok, pk, cap, plugin, {"budget_tokens": budget, "min_seq_len": 0, **opts}
                 )

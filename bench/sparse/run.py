@@ -28,12 +28,13 @@ import torch
 
 from kvfabric.bench.report import BenchContext, cpu_busy_fraction, machine_note, read_cpu_row
 from kvfabric.bench.sparse.metrics import MethodSpec, Quality, evaluate
-from kvfabric.bench.sparse.speed import time_step
+from kvfabric.bench.sparse.speed import time_steps
 from kvfabric.bench.sparse.synthetic import SyntheticConfig, generate, stats
 
 METHODS = (
     MethodSpec("oracle", "oracle"),
     MethodSpec("gsa-r16", "gsa", {"rank": 16}),
+    MethodSpec("gsa-r16-qk", "gsa", {"rank": 16, "basis": "keys+queries"}),
     MethodSpec("gsa-r32", "gsa", {"rank": 32}),
     MethodSpec("quest", "quest"),
     MethodSpec("meankey", "meankey"),
@@ -73,10 +74,10 @@ def _synthetic(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> It
         w = generate(SyntheticConfig(context=n, heads_per_type=1 if ctx.quick else 2, seed=n))
         st = stats(w)
         _say(f"synthetic {n // 1024}K: " + ", ".join(f"{k}={v:.3f}" for k, v in st.items()))
-        for b in budgets:
-            speed[(n, b)] = time_step(n, b, rounds=ctx.rounds).speedup
+        for t in time_steps(n, budgets, rounds=ctx.rounds):
+            speed[(n, t.budget)] = t.speedup
         for m in METHODS:
-            for q in evaluate(m, w.q, w.k, w.v, budgets, needles=w.needles):
+            for q in evaluate(m, w.q, w.k, w.v, budgets, needles=w.needles, prompt_q=w.prompt_q):
                 sp = speed[(n, q.budget)] if m.scorer == "gsa" and m.options == {"rank": 16} else None
                 yield _row(
                     "synthetic",
@@ -88,24 +89,26 @@ def _synthetic(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> It
 
 
 def _needles(ctx: BenchContext, contexts: list[int]) -> Iterator[dict[str, Any]]:
+    """GSA (keys basis and keys+queries basis) and Quest on 1, 4 and 8 needles, both kinds."""
+    methods = (METHODS[1], METHODS[2], MethodSpec("quest", "quest"))
     for n in contexts:
-        for k in (1, 4, 8):
-            w = generate(SyntheticConfig(context=n, heads_per_type=1, needles=k, seed=100 + k))
-            (q,) = evaluate(
-                MethodSpec("gsa-r16", "gsa", {"rank": 16}), w.q, w.k, w.v, [2048], needles=w.needles
-            )
-            yield _row("needles", q, None, needles=k)
+        for kind in ("keys", "query"):
+            for k in (1, 4, 8):
+                cfg = SyntheticConfig(context=n, heads_per_type=1, needles=k, seed=100 + k, needle_kind=kind)
+                w = generate(cfg)
+                for m in methods:
+                    (q,) = evaluate(m, w.q, w.k, w.v, [2048], needles=w.needles, prompt_q=w.prompt_q)
+                    yield _row("needles", q, None, needles=k, needle_kind=kind)
 
 
 def _speed(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterator[dict[str, Any]]:
     for n in contexts:
-        for b in budgets:
-            t = time_step(n, b, rounds=ctx.rounds)
+        for t in time_steps(n, budgets, rounds=ctx.rounds):
             yield {
                 "case": "speed",
                 "method": "gsa-r16",
                 "context": n,
-                "budget": b,
+                "budget": t.budget,
                 "speedup_vs_dense": round(t.speedup, 2),
                 "score_frac": round(t.score_frac, 3),
                 "dense_ms": round(t.dense_s * 1e3, 3),

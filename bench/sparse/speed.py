@@ -61,6 +61,22 @@ def time_step(
     rounds: int = 5,
     seed: int = 0,
 ) -> StepTiming:
+    """One (context, budget) timing (see ``time_steps``)."""
+    return time_steps(context, [budget], num_kv_heads, group, head_dim, block_size, rank, rounds, seed)[0]
+
+
+def time_steps(
+    context: int,
+    budgets: list[int],
+    num_kv_heads: int = 8,
+    group: int = 4,
+    head_dim: int = 128,
+    block_size: int = 16,
+    rank: int = 16,
+    rounds: int = 5,
+    seed: int = 0,
+) -> list[StepTiming]:
+    """Timings of the GSA step at each budget, and of dense, on one set of tensors."""
     gen = torch.Generator().manual_seed(seed)
     nb = context // block_size
     shape = (num_kv_heads, nb, block_size, head_dim)
@@ -70,53 +86,50 @@ def time_step(
     kd, vd = k_cache.view(num_kv_heads, context, head_dim), v_cache.view(num_kv_heads, context, head_dim)
     scorer = SvdMaxNormScorer(num_kv_heads, head_dim, block_size, rank=rank, basis_tokens=8192)
     scorer.fit(kd)
-    sel = SelectionConfig(budget_tokens=budget)
-    k = sel.num_selected(context, block_size)
-
-    def score() -> torch.Tensor:
-        return scorer.scores(q)
-
-    combined = score()
-
-    def topk() -> torch.Tensor:
-        return select_blocks(combined, nb, k, sel)
-
-    table = topk()
-
-    def gather() -> tuple[torch.Tensor, torch.Tensor]:
-        return gather_blocks(k_cache, table), gather_blocks(v_cache, table)
-
-    ks, vs = gather()
-
-    def attn_sel() -> torch.Tensor:
-        return attend(q, ks, vs)
-
-    def sparse_step() -> torch.Tensor:
-        t = select_blocks(scorer.scores(q), nb, k, sel)
-        return attend(q, gather_blocks(k_cache, t), gather_blocks(v_cache, t))
+    reps = max(1, int(2**17 // context))  # small contexts: several calls per timing
 
     def dense() -> torch.Tensor:
         return attend(q, kd, vd)
 
-    reps = max(1, int(2**17 // context))  # small contexts: several calls per timing
-    parts: dict[str, list[float]] = {n: [] for n in ("dense", "sparse", "score", "topk", "gather", "attend")}
-    fns = {
-        "dense": dense,
-        "sparse": sparse_step,
-        "score": score,
-        "topk": topk,
-        "gather": gather,
-        "attend": attn_sel,
-    }
-    for f in fns.values():
-        f()  # warm up
-    for _ in range(max(5, rounds)):
-        for name, f in fns.items():
-            parts[name].append(_median_time(f, reps))
-    med = {n: statistics.median(v) for n, v in parts.items()}
-    return StepTiming(
-        context, budget, med["dense"], med["sparse"], med["score"], med["topk"], med["gather"], med["attend"]
-    )
+    out = []
+    for budget in budgets:
+        sel = SelectionConfig(budget_tokens=budget)
+        k = sel.num_selected(context, block_size)
+        combined = scorer.scores(q)
+        table = select_blocks(combined, nb, k, sel)
+        ks, vs = gather_blocks(k_cache, table), gather_blocks(v_cache, table)
+        fns: dict[str, Callable[[], Any]] = {
+            "dense": dense,
+            "sparse": lambda k=k, sel=sel: attend(
+                q,
+                gather_blocks(k_cache, t := select_blocks(scorer.scores(q), nb, k, sel)),
+                gather_blocks(v_cache, t),
+            ),
+            "score": lambda: scorer.scores(q),
+            "topk": lambda combined=combined, k=k, sel=sel: select_blocks(combined, nb, k, sel),
+            "gather": lambda table=table: (gather_blocks(k_cache, table), gather_blocks(v_cache, table)),
+            "attend": lambda ks=ks, vs=vs: attend(q, ks, vs),
+        }
+        parts: dict[str, list[float]] = {n: [] for n in fns}
+        for f in fns.values():
+            f()  # warm up
+        for _ in range(max(5, rounds)):
+            for name, f in fns.items():
+                parts[name].append(_median_time(f, reps))
+        med = {n: statistics.median(v) for n, v in parts.items()}
+        out.append(
+            StepTiming(
+                context,
+                budget,
+                med["dense"],
+                med["sparse"],
+                med["score"],
+                med["topk"],
+                med["gather"],
+                med["attend"],
+            )
+        )
+    return out
 
 
-__all__ = ["StepTiming", "time_step"]
+__all__ = ["StepTiming", "time_step", "time_steps"]

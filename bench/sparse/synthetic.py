@@ -61,19 +61,28 @@ class SyntheticConfig:
     drift: float = 0.02  # fraction of the query's variance replaced per step
     rope_base: float = 500000.0
     seed: int = 0
+    # "query": needles and distractors are moved along the head's mean query direction (a
+    # direction keys need not vary along); "keys": along that direction's projection on the
+    # keys' top principal directions (a needle key that is an ordinary key of the head,
+    # as keys made by the model's own projection are)
+    needle_kind: str = "query"
 
     def __post_init__(self) -> None:
         if self.context < 1024:
             raise ValueError(f"context must be >= 1024 tokens, got {self.context}")
         if not 1 <= self.needles <= 64:
             raise ValueError(f"needles must be in [1, 64], got {self.needles}")
+        if self.needle_kind not in ("query", "keys"):
+            raise ValueError(f"needle_kind must be 'query' or 'keys', got {self.needle_kind!r}")
         if self.head_dim % 2 or self.group < 1 or self.heads_per_type < 1 or self.steps < 1:
             raise ValueError("head_dim must be even; group, heads_per_type and steps >= 1")
 
 
 @dataclass(frozen=True)
 class Workload:
-    """``q (S, H, G, D)``, ``k, v (H, N, D)``; needles as (head, first, last) positions."""
+    """``q (S, H, G, D)`` decode queries, ``k, v (H, N, D)``; needles as (head, first, last)
+    positions; ``prompt_q (H, M, D)``: queries of earlier (prompt) positions, grouped by KV
+    head, from the same distribution (what a prefill sees)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -81,6 +90,7 @@ class Workload:
     head_types: tuple[HeadType, ...]
     needles: tuple[tuple[int, int, int], ...]
     config: SyntheticConfig
+    prompt_q: torch.Tensor
 
 
 def _boost(mass: float, n: int, sigma: float) -> float:
@@ -150,15 +160,21 @@ def generate(cfg: SyntheticConfig) -> Workload:
     types = tuple(t for t in HeadType for _ in range(cfg.heads_per_type))
     cos_k, sin_k = rope_tables(torch.arange(n), d, cfg.rope_base)
     cos_q, sin_q = rope_tables(torch.arange(n, n + s), d, cfg.rope_base)
-    ks, qs, vs, needles = [], [], [], []
+    ks, qs, vs, pqs, needles = [], [], [], [], []
+    ppos = torch.linspace(0, n - 1, 64).long()
+    cos_p, sin_p = rope_tables(ppos, d, cfg.rope_base)
     for h, ht in enumerate(types):
         sigma, sink_mass, recent_mass = _PROFILE[ht]
         basis = _semantic_basis(d, 24, gen)
         k = apply_rope(_base_keys(n, d, basis, gen), cos_k, sin_k)
         q = apply_rope(_queries(basis, g, s, cfg.drift, gen), cos_q, sin_q).transpose(0, 1)  # (S, G, D)
+        pgen = torch.Generator().manual_seed(cfg.seed * 7919 + h)  # its own stream
+        pq = apply_rope(_queries(basis, g, 64, 0.5, pgen), cos_p, sin_p).reshape(-1, d)  # (G*64, D)
         # scale the queries so that ordinary logits have the head type's spread
         logits = torch.matmul(q[0], k[:: max(1, n // 4096)].t()) / math.sqrt(d)
-        q = q * (sigma / logits.std().clamp(min=1e-6))
+        q_scale = sigma / logits.std().clamp(min=1e-6)
+        q = q * q_scale
+        pqs.append(pq * q_scale)
         u = q.mean(dim=(0, 1))
         u = u / u.norm()
         per_logit = math.sqrt(d) / float((q @ u).mean())  # key shift along u per logit
@@ -176,6 +192,23 @@ def generate(cfg: SyntheticConfig) -> Workload:
         dist = torch.arange(64, dtype=torch.float32)
         plant(torch.arange(n - 64, n), _boost(recent_mass / 10, n, sigma) - dist.flip(0) / 8)
         if ht is HeadType.RETRIEVAL:
+            if cfg.needle_kind == "keys":
+                sample = k[:: max(1, n // 8192)].double()
+                top = torch.linalg.eigh(sample.t() @ sample)[1][:, -32:].float()
+                un = top @ (top.t() @ u)
+                un = un / un.norm()
+                pl = math.sqrt(d) / float((q @ un).mean())
+
+                def plant_needle(
+                    pos: torch.Tensor,
+                    logit: float,
+                    k: torch.Tensor = k,
+                    un: torch.Tensor = un,
+                    pl: float = pl,
+                ) -> None:
+                    k[pos] += (logit * pl) * un
+            else:
+                plant_needle = plant
             lo, hi = 64, n - 256
             slots = (
                 torch.randperm((hi - lo) // 64, generator=gen)[
@@ -187,16 +220,16 @@ def generate(cfg: SyntheticConfig) -> Workload:
             pos = slots + torch.randint(0, 64 - cfg.span_len, (len(slots),), generator=gen)
             each = cfg.needle_mass / (cfg.needles + 1)
             for p in pos[: cfg.needles]:
-                plant(p.view(1), _boost(each, n, sigma))
+                plant_needle(p.view(1), _boost(each, n, sigma))
                 needles.append((h, int(p), int(p)))
             sp = int(pos[cfg.needles])
-            plant(torch.arange(sp, sp + cfg.span_len), _boost(each / cfg.span_len * 2, n, sigma))
+            plant_needle(torch.arange(sp, sp + cfg.span_len), _boost(each / cfg.span_len * 2, n, sigma))
             needles.append((h, sp, sp + cfg.span_len - 1))
             rest = pos[cfg.needles + 1 :]
             for p in rest[: cfg.distractors]:
-                plant(p.view(1), _boost(each, n, sigma) - 1.5)
+                plant_needle(p.view(1), _boost(each, n, sigma) - 1.5)
             for p in rest[cfg.distractors :]:
-                plant(torch.arange(int(p), int(p) + 16), _boost(each, n, sigma) - 3.0)
+                plant_needle(torch.arange(int(p), int(p) + 16), _boost(each, n, sigma) - 3.0)
         ks.append(k)
         qs.append(q)
         vs.append(torch.randn((n, d), generator=gen) + 0.5)
@@ -207,6 +240,7 @@ def generate(cfg: SyntheticConfig) -> Workload:
         head_types=types,
         needles=tuple(needles),
         config=cfg,
+        prompt_q=torch.stack(pqs).contiguous(),
     )
 
 

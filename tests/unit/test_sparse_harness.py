@@ -31,8 +31,15 @@ def test_synthetic_workload_shapes_needles_and_statistics(work):
     assert st["top2pct_mass_retrieval"] > st["top2pct_mass_diffuse"]
     again = generate(SyntheticConfig(context=4096, head_dim=64, heads_per_type=1, needles=3, seed=1))
     assert torch.equal(again.k, work.k) and again.needles == work.needles
+    assert work.prompt_q.shape == (3, 4 * 64, 64)
     with pytest.raises(ValueError):
         SyntheticConfig(context=100)
+    with pytest.raises(ValueError, match="needle_kind"):
+        SyntheticConfig(needle_kind="nope")
+    keys_kind = generate(
+        SyntheticConfig(context=4096, head_dim=64, heads_per_type=1, needles=3, seed=1, needle_kind="keys")
+    )
+    assert keys_kind.needles == work.needles and not torch.equal(keys_kind.k[1], work.k[1])
 
 
 def test_metrics_oracle_full_budget_and_methods(work):
@@ -50,6 +57,19 @@ def test_metrics_oracle_full_budget_and_methods(work):
     for r in rows:
         assert 0.0 <= r.recall_p10 <= r.recall <= 1.0 and 0.0 <= r.needle_hit <= 1.0
         assert r.recall_stale1 >= 0.0 and r.recall_stale3 >= 0.0
+    qk = evaluate(
+        MethodSpec("gsa-qk", "gsa", {"rank": 8, "basis": "keys+queries"}),
+        work.q,
+        work.k,
+        work.v,
+        [256],
+        prompt_q=work.prompt_q,
+    )[0]
+    assert 0.0 < qk.recall <= 1.0
+    with pytest.raises(ValueError, match="prompt's queries"):
+        evaluate(
+            MethodSpec("gsa-qk", "gsa", {"rank": 8, "basis": "keys+queries"}), work.q, work.k, work.v, [256]
+        )
     quest = evaluate(MethodSpec("quest", "quest"), work.q, work.k, work.v, [256])[0]
     mean = evaluate(MethodSpec("meankey", "meankey"), work.q, work.k, work.v, [256])[0]
     assert quest.summary_numbers == 128 and mean.summary_numbers == 64

@@ -118,6 +118,9 @@ def test_oracle_at_budget_sees_the_true_top_blocks_and_reuse_skips_selections():
     _run(model, reused, prompt, steps=7)
     assert reused.stats()["selections"] < fresh.stats()["selections"]
     assert reused.stats()["reused"] > 0
+    qk = create("gsa", _spec(model), {"budget_tokens": 40, "min_seq_len": 0, "basis": "keys+queries"})
+    out, _ = _run(model, qk, prompt, steps=3)
+    assert len(out) == 3 and qk.stats()["selections"] > 0
     ahead = create("gsa", _spec(model), {"budget_tokens": 40, "min_seq_len": 0, "select_ahead": True})
     out, _ = _run(model, ahead, prompt, steps=7)
     assert len(out) == 7

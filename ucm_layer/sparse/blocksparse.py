@@ -120,9 +120,10 @@ class BlockSparseAttention(UcmSparseBase):
         return out
 
     def _sync_scorer(
-        self, st: RequestState, layer: int, key: torch.Tensor, seq: int, n_new: int
+        self, st: RequestState, layer: int, key: torch.Tensor, seq: int, n_new: int, query: torch.Tensor
     ) -> LayerState:
-        """Fit (prompt) or extend (later tokens) the layer's scorer with the new keys."""
+        """Fit (prompt: keys, and queries grouped by KV head) or extend (later tokens) the
+        layer's scorer with the new keys."""
         keys = key.permute(1, 0, 2)  # (H, n, D)
         ls = st.layers[layer]
         start = seq - n_new
@@ -139,7 +140,9 @@ class BlockSparseAttention(UcmSparseBase):
                 self.model.block_size,
                 **self.cfg.scorer_options,
             )
-            scorer.fit(keys)
+            hk, d = self.model.num_kv_heads, self.model.head_dim
+            queries = query.reshape(n_new, hk, -1, d).permute(1, 0, 2, 3).reshape(hk, -1, d)
+            scorer.fit(keys, queries)
             ls = st.layers[layer] = LayerState(scorer)
         elif ls.scorer.num_tokens == start:
             ls.scorer.append(keys, start)
@@ -212,7 +215,7 @@ class BlockSparseAttention(UcmSparseBase):
         for i, (t0, t1) in enumerate(self._token_ranges(batch)):
             st = self._state(batch.request_ids[i])
             seq = batch.seq_lens[i]
-            ls = self._sync_scorer(st, layer, key[t0:t1], seq, t1 - t0)
+            ls = self._sync_scorer(st, layer, key[t0:t1], seq, t1 - t0, query[t0:t1])
             if meta.mode(i, layer) is not AttnMode.SPARSE:
                 self._counters["dense_layer_steps"] += 1.0
                 continue

@@ -38,6 +38,7 @@ class BlockScorer(abc.ABC):
         self.head_dim = head_dim
         self.block_size = block_size
         self.num_tokens = 0
+        self.fit_queries: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -59,10 +60,20 @@ class BlockScorer(abc.ABC):
                 f"got {tuple(keys.shape)}"
             )
 
-    def fit(self, keys: torch.Tensor) -> None:
+    def fit(self, keys: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+        """Summarise the prompt's keys ``(H, N, D)``. ``queries`` ``(H, M, D)`` are the
+        prompt's queries grouped by KV head; scorers that do not use them ignore them."""
         self._check_keys(keys)
+        if queries is not None and (
+            queries.dim() != 3 or queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]
+        ):
+            raise ValueError(f"queries must be (num_kv_heads, m, head_dim), got {tuple(queries.shape)}")
         self.num_tokens = 0
-        self._fit(keys)
+        self.fit_queries = queries
+        try:
+            self._fit(keys)
+        finally:
+            self.fit_queries = None
         self.num_tokens = int(keys.shape[1])
 
     def append(self, keys: torch.Tensor, start: int) -> None:

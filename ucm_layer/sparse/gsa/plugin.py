@@ -33,7 +33,7 @@ class GSA(BlockSparseAttention):
 
     name = "gsa"
     scorer_name = "gsa"
-    scorer_keys = ("rank", "margin", "basis_tokens", "residual_groups")
+    scorer_keys = ("rank", "margin", "basis_tokens", "residual_groups", "basis")
 
     def __init__(
         self,

@@ -29,18 +29,31 @@ from kvfabric.ucm_layer.sparse.scorer import RowMaxScorer
 _GRAM_CHUNK = 16384
 
 
-def fit_basis(keys: torch.Tensor, rank: int, max_tokens: int = 65536) -> torch.Tensor:
+def _gram(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    if x.shape[1] > max_tokens:
+        x = x[:, :: -(-x.shape[1] // max_tokens)]
+    h, n, d = x.shape
+    gram = torch.zeros((h, d, d), dtype=torch.float64, device=x.device)
+    for s in range(0, n, _GRAM_CHUNK):
+        c = x[:, s : s + _GRAM_CHUNK].to(torch.float64)
+        gram += torch.matmul(c.transpose(1, 2), c)
+    return gram
+
+
+def fit_basis(
+    keys: torch.Tensor, rank: int, max_tokens: int = 65536, queries: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(H, D, rank)`` orthonormal bases: the top right singular vectors of each head's
     keys ``(H, N, D)`` (eigenvectors of ``K^T K`` in float64, largest first; ``rank = D``
     gives the whole orthonormal basis). Beyond ``max_tokens`` keys, an evenly strided
-    sample of them is used."""
-    if keys.shape[1] > max_tokens:
-        keys = keys[:, :: -(-keys.shape[1] // max_tokens)]
-    h, n, d = keys.shape
-    gram = torch.zeros((h, d, d), dtype=torch.float64, device=keys.device)
-    for s in range(0, n, _GRAM_CHUNK):
-        c = keys[:, s : s + _GRAM_CHUNK].to(torch.float64)
-        gram += torch.matmul(c.transpose(1, 2), c)
+    sample of them is used. With ``queries (H, M, D)``, the basis is fitted to keys and
+    queries together, each set normalised to unit total energy (so that the directions the
+    queries look along are in the basis too)."""
+    gram = _gram(keys, max_tokens)
+    if queries is not None:
+        gq = _gram(queries, max_tokens)
+        gram = gram / gram.diagonal(dim1=1, dim2=2).sum(-1).clamp(min=1e-30).view(-1, 1, 1)
+        gram = gram + gq / gq.diagonal(dim1=1, dim2=2).sum(-1).clamp(min=1e-30).view(-1, 1, 1)
     _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
     q, _ = torch.linalg.qr(vecs[:, :, -rank:].flip(-1))  # re-orthonormalise before the cast
     return q.to(keys.dtype).contiguous()
@@ -61,6 +74,7 @@ class SvdMaxNormScorer(RowMaxScorer):
         margin: float = 1e-5,
         basis_tokens: int = 65536,
         residual_groups: int = 1,
+        basis: str = "keys",
     ) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= head_dim:
@@ -78,6 +92,9 @@ class SvdMaxNormScorer(RowMaxScorer):
                 f"residual_groups must be an int in [1, head_dim - rank = {head_dim - rank}], "
                 f"got {residual_groups!r}"
             )
+        if basis not in ("keys", "keys+queries"):
+            raise ValueError(f"basis must be 'keys' or 'keys+queries', got {basis!r}")
+        self.basis_source = basis
         self.groups = residual_groups
         self.complement: torch.Tensor | None = None  # (H, D, D - r) when groups > 1
         self._assign: torch.Tensor | None = None  # (D - r, groups) 0/1
@@ -96,10 +113,13 @@ class SvdMaxNormScorer(RowMaxScorer):
         return self.basis
 
     def _fit(self, keys: torch.Tensor) -> None:
+        queries = self.fit_queries if self.basis_source == "keys+queries" else None
+        if self.basis_source == "keys+queries" and queries is None:
+            raise ValueError("basis='keys+queries' needs the prompt's queries: fit(keys, queries)")
         if self.groups == 1:
-            self.basis = fit_basis(keys, self.rank, self.basis_tokens)
+            self.basis = fit_basis(keys, self.rank, self.basis_tokens, queries)
         else:
-            full = fit_basis(keys, self.head_dim, self.basis_tokens)
+            full = fit_basis(keys, self.head_dim, self.basis_tokens, queries)
             self.basis = full[:, :, : self.rank].contiguous()
             self.complement = full[:, :, self.rank :].contiguous()
             rest = self.head_dim - self.rank
