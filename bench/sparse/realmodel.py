@@ -131,6 +131,7 @@ def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> 
                     "kl": round(kl_div(dense_logits, logits), 5),
                     "step_reuse": round(st.get("step_reuse", float("nan")), 3),
                 }
+            yield {**base, **_offload_row(llama, tok, pk, cap, budget, dense_answer, dense_logits)}
 
 
 def _offload_row(
