@@ -36,6 +36,7 @@ METHODS = (
     MethodSpec("gsa-r16", "gsa", {"rank": 16}),
     MethodSpec("gsa-r16-qk", "gsa", {"rank": 16, "basis": "keys+queries"}),
     MethodSpec("gsa-r32", "gsa", {"rank": 32}),
+    MethodSpec("gsa-r64", "gsa", {"rank": 64}),
     MethodSpec("quest", "quest"),
     MethodSpec("meankey", "meankey"),
     MethodSpec("hata", "hata"),
