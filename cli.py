@@ -83,7 +83,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvfabric.bench.report import BenchContext, run
 
-    ctx = BenchContext(quick=args.quick, rounds=args.rounds, platform=args.platform)
+    options = {"out_dir": args.out}
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        options["threads"] = args.threads
+    ctx = BenchContext(quick=args.quick, rounds=args.rounds, platform=args.platform, options=options)
     run(args.name, ctx, as_json=args.json)
     return 0
 
@@ -123,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
     b.add_argument("--json", action="store_true", help="one JSON object per line")
     b.add_argument("--rounds", type=int, default=5, help="rounds per case (median reported; >= 5)")
+    b.add_argument(
+        "--out", default="bench-results", help="directory for plots and files (default ./bench-results)"
+    )
+    b.add_argument("--threads", type=int, default=None, help="torch CPU threads for timed work (gsa)")
     b.set_defaults(fn=cmd_bench)
     from kvfabric.pool.cli import add_parser as add_pool_parser
 

@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, str] = {
     "copy": "kvfabric.bench.copy:run",
     "xcopy": "kvfabric.bench.xcopy:run",
     "e2e": "kvfabric.bench.e2e:run",
+    "gsa": "kvfabric.bench.sparse.run:run",
     "store": "kvfabric.bench.store:run",
 }
 

@@ -1,0 +1,160 @@
+"""``kvfabric bench gsa [--quick] [--json] [--out DIR] [--threads N]``.
+
+One row per (method, context, budget) with ``method, context, budget, recall,
+oracle_recall, recall_vs_oracle, out_err, needle_hit, bytes_frac, speedup_vs_dense``
+(plus ``case`` and details), in four cases:
+
+* ``synthetic``: every method on the calibrated synthetic workload (its statistics are
+  printed first), at several contexts and budgets; ``speedup_vs_dense`` is the timed
+  decode-attention step of that method's scorer next to dense on the same tensors;
+* ``needles``: GSA's needle hit rate with 1 to 8 needles up to the largest context;
+* ``speed``: the GSA step's components (scoring, top-k, gather, attention) at 8K, 32K and
+  128K next to dense attention, with the scoring share;
+* ``smollm2``: SmolLM2-135M-Instruct on passkey prompts: real captured attention scored
+  like the synthetic case, and the decode loop through the hooks (passkey answer and
+  next-token KL against dense). Skipped with a note when the model cannot be fetched.
+
+PNG plots of recall and speed against budget go to ``--out`` (default ./bench-results/).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from kvfabric.bench.report import BenchContext, cpu_busy_fraction, machine_note, read_cpu_row
+from kvfabric.bench.sparse.metrics import MethodSpec, Quality, evaluate
+from kvfabric.bench.sparse.speed import time_steps
+from kvfabric.bench.sparse.synthetic import SyntheticConfig, generate, stats
+
+METHODS = (
+    MethodSpec("oracle", "oracle"),
+    MethodSpec("gsa-r16", "gsa", {"rank": 16}),
+    MethodSpec("gsa-r16-qk", "gsa", {"rank": 16, "basis": "keys+queries"}),
+    MethodSpec("gsa-r32", "gsa", {"rank": 32}),
+    MethodSpec("gsa-r64", "gsa", {"rank": 64}),
+    MethodSpec("quest", "quest"),
+    MethodSpec("meankey", "meankey"),
+    MethodSpec("hata", "hata"),
+)
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _row(case: str, q: Quality, speedup: float | None, **extra: Any) -> dict[str, Any]:
+    return {
+        "case": case,
+        "method": q.method,
+        "context": q.context,
+        "budget": q.budget,
+        "recall": round(q.recall, 4),
+        "oracle_recall": round(q.oracle_recall, 4),
+        "recall_vs_oracle": round(q.recall_vs_oracle, 4),
+        "out_err": round(q.out_err, 4),
+        "needle_hit": round(q.needle_hit, 4),
+        "bytes_frac": round(q.bytes_frac, 4),
+        "speedup_vs_dense": None if speedup is None else round(speedup, 2),
+        "recall_p10": round(q.recall_p10, 4),
+        "out_err_p90": round(q.out_err_p90, 4),
+        "recall_stale1": round(q.recall_stale1, 4),
+        "recall_stale3": round(q.recall_stale3, 4),
+        "summary_numbers": q.summary_numbers,
+        **extra,
+    }
+
+
+def _synthetic(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterator[dict[str, Any]]:
+    speed: dict[tuple[int, int], float] = {}
+    for n in contexts:
+        w = generate(SyntheticConfig(context=n, heads_per_type=1 if ctx.quick else 2, seed=n))
+        st = stats(w)
+        _say(f"synthetic {n // 1024}K: " + ", ".join(f"{k}={v:.3f}" for k, v in st.items()))
+        for t in time_steps(n, budgets, rounds=ctx.rounds):
+            speed[(n, t.budget)] = t.speedup
+        for m in METHODS:
+            for q in evaluate(m, w.q, w.k, w.v, budgets, needles=w.needles, prompt_q=w.prompt_q):
+                sp = speed[(n, q.budget)] if m.scorer == "gsa" and m.options == {"rank": 16} else None
+                yield _row(
+                    "synthetic",
+                    q,
+                    sp,
+                    top2pct_mass=round(st["top2pct_mass"], 3),
+                    sink_mass=round(st["sink_mass"], 3),
+                )
+
+
+def _needles(ctx: BenchContext, contexts: list[int]) -> Iterator[dict[str, Any]]:
+    """GSA (keys basis and keys+queries basis) and Quest on 1, 4 and 8 needles, both kinds."""
+    methods = (METHODS[1], METHODS[2], MethodSpec("quest", "quest"))
+    for n in contexts:
+        for kind in ("keys", "query"):
+            for k in (1, 4, 8):
+                cfg = SyntheticConfig(context=n, heads_per_type=1, needles=k, seed=100 + k, needle_kind=kind)
+                w = generate(cfg)
+                for m in methods:
+                    (q,) = evaluate(m, w.q, w.k, w.v, [2048], needles=w.needles, prompt_q=w.prompt_q)
+                    yield _row("needles", q, None, needles=k, needle_kind=kind)
+
+
+def _speed(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterator[dict[str, Any]]:
+    for n in contexts:
+        for t in time_steps(n, budgets, rounds=ctx.rounds):
+            yield {
+                "case": "speed",
+                "method": "gsa-r16",
+                "context": n,
+                "budget": t.budget,
+                "speedup_vs_dense": round(t.speedup, 2),
+                "score_frac": round(t.score_frac, 3),
+                "dense_ms": round(t.dense_s * 1e3, 3),
+                "sparse_ms": round(t.sparse_s * 1e3, 3),
+                "score_ms": round(t.score_s * 1e3, 3),
+                "topk_ms": round(t.topk_s * 1e3, 3),
+                "gather_ms": round(t.gather_s * 1e3, 3),
+                "attend_ms": round(t.attend_s * 1e3, 3),
+            }
+
+
+def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
+    threads = int(ctx.options.get("threads", 1))
+    torch.set_num_threads(threads)
+    note = machine_note()
+    cpu0 = read_cpu_row()
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    budgets = [512, 1024, 2048, 4096]
+    contexts = [8192, 32768] if ctx.quick else [8192, 32768, 131072]
+    _say(f"gsa bench: torch threads={threads}, {note}")
+    parts = [
+        _synthetic(ctx, [32768] if ctx.quick else [32768, 131072], budgets),
+        _needles(ctx, [32768] if ctx.quick else contexts),
+        _speed(ctx, contexts, [1024, 2048] if ctx.quick else budgets),
+    ]
+    from kvfabric.bench.sparse.realmodel import smollm2_rows
+
+    parts.append(smollm2_rows(ctx, [2048] if ctx.quick else [8192]))
+    for part in parts:
+        for row in part:
+            row.update(threads=threads)
+            rows.append(row)
+            yield row
+    busy = cpu_busy_fraction((cpu0, read_cpu_row()))
+    own = min(1.0, threads / max(1, note["ncpu"] or 1))
+    other = "busy" if busy > own + 0.25 else "idle"
+    _say(
+        f"gsa bench: {time.perf_counter() - t0:.0f} s; machine busy fraction {busy:.2f} "
+        f"(other cores {other} while it ran)"
+    )
+    from kvfabric.bench.sparse.plots import plot_rows
+
+    for p in plot_rows(rows, ctx.options.get("out_dir", "bench-results")):
+        _say(f"wrote {p}")
+
+
+__all__ = ["METHODS", "run"]

@@ -1,0 +1,135 @@
+"""Wall time of one layer's sparse decode attention step next to dense, on the same tensors.
+
+A paged cache ``(Hkv, nb, bs, D)`` whose blocks are consecutive (so dense attention reads
+it as a free ``(Hkv, N, D)`` view: the best case for dense), float32, pre-touched. The
+sparse step is GSA's: scoring (query projection + one product with the summaries + group
+combination), top-k with the forced blocks, gather of the selected K and V blocks, and
+attention over them. Components and the whole step are timed separately, rounds
+interleaved with dense (ABAB), medians reported; the thread count is fixed by the caller.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfabric.ucm_layer.sparse.attention import attend, gather_blocks
+from kvfabric.ucm_layer.sparse.gsa.summary import SvdMaxNormScorer
+from kvfabric.ucm_layer.sparse.selection import SelectionConfig, select_blocks
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    context: int
+    budget: int
+    dense_s: float
+    sparse_s: float
+    score_s: float
+    topk_s: float
+    gather_s: float
+    attend_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.dense_s / self.sparse_s
+
+    @property
+    def score_frac(self) -> float:
+        return self.score_s / self.sparse_s
+
+
+def _median_time(fn: Callable[[], Any], reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def time_step(
+    context: int,
+    budget: int,
+    num_kv_heads: int = 8,
+    group: int = 4,
+    head_dim: int = 128,
+    block_size: int = 16,
+    rank: int = 16,
+    rounds: int = 5,
+    seed: int = 0,
+) -> StepTiming:
+    """One (context, budget) timing (see ``time_steps``)."""
+    return time_steps(context, [budget], num_kv_heads, group, head_dim, block_size, rank, rounds, seed)[0]
+
+
+def time_steps(
+    context: int,
+    budgets: list[int],
+    num_kv_heads: int = 8,
+    group: int = 4,
+    head_dim: int = 128,
+    block_size: int = 16,
+    rank: int = 16,
+    rounds: int = 5,
+    seed: int = 0,
+) -> list[StepTiming]:
+    """Timings of the GSA step at each budget, and of dense, on one set of tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = context // block_size
+    shape = (num_kv_heads, nb, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=gen) + 0.5
+    v_cache = torch.randn(shape, generator=gen)
+    q = torch.randn((num_kv_heads, group, head_dim), generator=gen)
+    kd, vd = k_cache.view(num_kv_heads, context, head_dim), v_cache.view(num_kv_heads, context, head_dim)
+    scorer = SvdMaxNormScorer(num_kv_heads, head_dim, block_size, rank=rank, basis_tokens=8192)
+    scorer.fit(kd)
+    reps = max(1, int(2**17 // context))  # small contexts: several calls per timing
+
+    def dense() -> torch.Tensor:
+        return attend(q, kd, vd)
+
+    out = []
+    for budget in budgets:
+        sel = SelectionConfig(budget_tokens=budget)
+        k = sel.num_selected(context, block_size)
+        combined = scorer.scores(q)
+        table = select_blocks(combined, nb, k, sel)
+        ks, vs = gather_blocks(k_cache, table), gather_blocks(v_cache, table)
+        fns: dict[str, Callable[[], Any]] = {
+            "dense": dense,
+            "sparse": lambda k=k, sel=sel: attend(
+                q,
+                gather_blocks(k_cache, t := select_blocks(scorer.scores(q), nb, k, sel)),
+                gather_blocks(v_cache, t),
+            ),
+            "score": lambda: scorer.scores(q),
+            "topk": lambda combined=combined, k=k, sel=sel: select_blocks(combined, nb, k, sel),
+            "gather": lambda table=table: (gather_blocks(k_cache, table), gather_blocks(v_cache, table)),
+            "attend": lambda ks=ks, vs=vs: attend(q, ks, vs),
+        }
+        parts: dict[str, list[float]] = {n: [] for n in fns}
+        for f in fns.values():
+            f()  # warm up
+        for _ in range(max(5, rounds)):
+            for name, f in fns.items():
+                parts[name].append(_median_time(f, reps))
+        med = {n: statistics.median(v) for n, v in parts.items()}
+        out.append(
+            StepTiming(
+                context,
+                budget,
+                med["dense"],
+                med["sparse"],
+                med["score"],
+                med["topk"],
+                med["gather"],
+                med["attend"],
+            )
+        )
+    return out
+
+
+__all__ = ["StepTiming", "time_step", "time_steps"]

@@ -1,0 +1,72 @@
+"""Sign-hash codes with Hamming top-k (HATA; UCM's on-device variant).
+
+Every key gets ``bits`` sign bits of random projections ``sign(R^T k)`` (``R`` fixed per
+head, Gaussian, seeded); a query's code is ``sign(R^T q)``. The similarity of a key is the
+number of agreeing bits (``bits - Hamming``); a block scores as its best key, the group as
+its best head. Storage: ``bits / 8`` bytes per token (reported as ``bits * block_size / 32``
+float32-equivalent numbers per block). Codes are held unpacked as int8-valued floats here
+so the Hamming count is one matrix product; packing is a storage detail.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfabric.ucm_layer.sparse.scorer import BlockScorer, block_view
+
+
+class HataScorer(BlockScorer):
+    name = "hata"
+    combine = "max"
+
+    def __init__(
+        self, num_kv_heads: int, head_dim: int, block_size: int, bits: int = 128, seed: int = 0
+    ) -> None:
+        super().__init__(num_kv_heads, head_dim, block_size)
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits <= 0:
+            raise ValueError(f"bits must be a positive int, got {bits!r}")
+        self.bits = bits
+        self.seed = seed
+        self._proj: torch.Tensor | None = None
+        self._codes: torch.Tensor | None = None  # (H, capacity, bits) of +-1
+
+    @property
+    def numbers_per_block(self) -> float:
+        return self.bits * self.block_size / 32.0
+
+    def _code(self, x: torch.Tensor) -> torch.Tensor:
+        if self._proj is None:
+            raise ValueError("hata: no projections yet, call fit() first")
+        y = torch.matmul(x, self._proj)
+        return torch.where(y >= 0, 1.0, -1.0).to(y.dtype)
+
+    def _fit(self, keys: torch.Tensor) -> None:
+        g = torch.Generator().manual_seed(self.seed)
+        proj = torch.randn((self.num_kv_heads, self.head_dim, self.bits), generator=g)
+        self._proj = proj.to(device=keys.device, dtype=keys.dtype)
+        codes = self._code(keys)
+        cap = max(1024, 2 * keys.shape[1])
+        self._codes = codes.new_empty((codes.shape[0], cap, self.bits))
+        self._codes[:, : keys.shape[1]] = codes
+
+    def _append(self, keys: torch.Tensor, start: int) -> None:
+        if self._codes is None:
+            raise ValueError("hata: append() before fit()")
+        end = start + keys.shape[1]
+        if end > self._codes.shape[1]:
+            new = self._codes.new_empty((self._codes.shape[0], 2 * end, self.bits))
+            new[:, :start] = self._codes[:, :start]
+            self._codes = new
+        self._codes[:, start:end] = self._code(keys)
+
+    def block_scores(self, q: torch.Tensor) -> torch.Tensor:
+        if self._codes is None:
+            raise ValueError("hata: no codes yet, call fit() first")
+        n = self.num_tokens
+        agree = torch.matmul(self._code(q), self._codes[:, :n].transpose(1, 2))  # (H, G, n) = 2*match - bits
+        h, g, _ = agree.shape
+        per_block = block_view(agree.reshape(h * g, n, 1), self.block_size, float("-inf")).amax(dim=2)
+        return per_block.reshape(h, g, -1)
+
+
+__all__ = ["HataScorer"]

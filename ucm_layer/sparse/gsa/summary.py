@@ -1,0 +1,150 @@
+"""GSA's block summary: a rank-r SVD basis joined with a max-norm of the residual.
+
+For each KV head, ``U (D, r)`` holds the top-r right singular vectors of the prompt's keys
+(fitted at prefill from ``K^T K``, in float64). A block of keys ``k`` keeps
+
+    M_i  = max_k (U^T k)_i + tau_k          (r numbers)
+    -m_i = max_k -(U^T k)_i + tau_k         (r numbers; stored negated, so every row is a max)
+    R    = max_k |k - U U^T k| + tau_k      (1 number)
+
+with ``tau_k = margin * |k|`` (a relative 1e-5 by default) absorbing float32 rounding.
+For a query ``q`` with ``p = U^T q`` and ``q_res = q - U p``:
+
+    bound = sum_i max(p_i M_i, p_i m_i) + |q_res| R  >=  q . k   for every key of the block,
+
+because ``q.k = p.(U^T k) + q_res.k_res`` (the residual is orthogonal to U) and each term is
+bounded separately (Cauchy-Schwarz for the residual); the margins add at least
+``|q| tau_k`` to the bound. With ``p+ = max(p, 0)`` and ``p- = max(-p, 0)`` the bound is
+one matrix product ``[M, -m, R] . [p+, p-, |q_res|]``, so scoring reads ``2r + 1`` numbers
+per block (Quest reads ``2D``). Rows are max-reductions, so a block is updated in place as
+its keys arrive during decode (``RowMaxScorer``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfabric.ucm_layer.sparse.scorer import RowMaxScorer
+
+_GRAM_CHUNK = 16384
+
+
+def _gram(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    if x.shape[1] > max_tokens:
+        x = x[:, :: -(-x.shape[1] // max_tokens)]
+    h, n, d = x.shape
+    gram = torch.zeros((h, d, d), dtype=torch.float64, device=x.device)
+    for s in range(0, n, _GRAM_CHUNK):
+        c = x[:, s : s + _GRAM_CHUNK].to(torch.float64)
+        gram += torch.matmul(c.transpose(1, 2), c)
+    return gram
+
+
+def fit_basis(
+    keys: torch.Tensor, rank: int, max_tokens: int = 65536, queries: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(H, D, rank)`` orthonormal bases: the top right singular vectors of each head's
+    keys ``(H, N, D)`` (eigenvectors of ``K^T K`` in float64, largest first; ``rank = D``
+    gives the whole orthonormal basis). Beyond ``max_tokens`` keys, an evenly strided
+    sample of them is used. With ``queries (H, M, D)``, the basis is fitted to keys and
+    queries together, each set normalised to unit total energy (so that the directions the
+    queries look along are in the basis too)."""
+    gram = _gram(keys, max_tokens)
+    if queries is not None:
+        gq = _gram(queries, max_tokens)
+        gram = gram / gram.diagonal(dim1=1, dim2=2).sum(-1).clamp(min=1e-30).view(-1, 1, 1)
+        gram = gram + gq / gq.diagonal(dim1=1, dim2=2).sum(-1).clamp(min=1e-30).view(-1, 1, 1)
+    _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+    q, _ = torch.linalg.qr(vecs[:, :, -rank:].flip(-1))  # re-orthonormalise before the cast
+    return q.to(keys.dtype).contiguous()
+
+
+class SvdMaxNormScorer(RowMaxScorer):
+    """GSA's bound (see the module docstring): ``rank`` of ``head_dim`` dimensions."""
+
+    name = "gsa"
+    combine = "softmax"
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        rank: int = 16,
+        margin: float = 1e-5,
+        basis_tokens: int = 65536,
+        residual_groups: int = 1,
+        basis: str = "keys",
+    ) -> None:
+        super().__init__(num_kv_heads, head_dim, block_size)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= head_dim:
+            raise ValueError(f"rank must be an int in [1, head_dim={head_dim}], got {rank!r}")
+        if not 0.0 <= float(margin) < 1e-2:
+            raise ValueError(f"margin must be in [0, 0.01), got {margin!r}")
+        if isinstance(basis_tokens, bool) or not isinstance(basis_tokens, int) or basis_tokens < rank:
+            raise ValueError(f"basis_tokens must be an int >= rank, got {basis_tokens!r}")
+        if (
+            isinstance(residual_groups, bool)
+            or not isinstance(residual_groups, int)
+            or not 1 <= residual_groups <= max(1, head_dim - rank)
+        ):
+            raise ValueError(
+                f"residual_groups must be an int in [1, head_dim - rank = {head_dim - rank}], "
+                f"got {residual_groups!r}"
+            )
+        if basis not in ("keys", "keys+queries"):
+            raise ValueError(f"basis must be 'keys' or 'keys+queries', got {basis!r}")
+        self.basis_source = basis
+        self.groups = residual_groups
+        self.complement: torch.Tensor | None = None  # (H, D, D - r) when groups > 1
+        self._assign: torch.Tensor | None = None  # (D - r, groups) 0/1
+        self.basis_tokens = basis_tokens
+        self.rank = rank
+        self.margin = float(margin)
+        self.basis: torch.Tensor | None = None  # (H, D, r)
+
+    @property
+    def row_width(self) -> int:
+        return 2 * self.rank + self.groups
+
+    def _basis(self) -> torch.Tensor:
+        if self.basis is None:
+            raise ValueError("the scorer has no basis yet: call fit() with the prompt's keys first")
+        return self.basis
+
+    def _fit(self, keys: torch.Tensor) -> None:
+        queries = self.fit_queries if self.basis_source == "keys+queries" else None
+        if self.basis_source == "keys+queries" and queries is None:
+            raise ValueError("basis='keys+queries' needs the prompt's queries: fit(keys, queries)")
+        if self.groups == 1:
+            self.basis = fit_basis(keys, self.rank, self.basis_tokens, queries)
+        else:
+            full = fit_basis(keys, self.head_dim, self.basis_tokens, queries)
+            self.basis = full[:, :, : self.rank].contiguous()
+            self.complement = full[:, :, self.rank :].contiguous()
+            rest = self.head_dim - self.rank
+            group = torch.arange(rest, device=keys.device) * self.groups // rest
+            self._assign = torch.nn.functional.one_hot(group, self.groups).to(keys.dtype)
+        super()._fit(keys)
+
+    def _residual_norms(self, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """``(..., groups)`` norms of the residual of ``x`` in each residual subspace."""
+        if self.groups == 1:
+            return (x - torch.matmul(p, self._basis().transpose(1, 2))).norm(dim=-1, keepdim=True)
+        if self.complement is None or self._assign is None:
+            raise ValueError("the scorer has no residual basis yet: call fit() first")
+        c = torch.matmul(x, self.complement)
+        return torch.matmul(c * c, self._assign).sqrt()
+
+    def key_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        p = torch.matmul(keys, self._basis())  # (H, n, r)
+        tau = keys.norm(dim=-1, keepdim=True) * self.margin
+        return torch.cat([p + tau, tau - p, self._residual_norms(keys, p) + tau], dim=-1)
+
+    def query_weights(self, q: torch.Tensor) -> torch.Tensor:
+        """``(H, G, 2r + groups)``: ``[p+, p-, |q_res| per group]`` for ``q (H, G, D)``."""
+        p = torch.matmul(q, self._basis())
+        return torch.cat([p.clamp(min=0), (-p).clamp(min=0), self._residual_norms(q, p)], dim=-1)
+
+
+__all__ = ["SvdMaxNormScorer", "fit_basis"]

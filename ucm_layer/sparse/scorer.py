@@ -1,0 +1,237 @@
+"""The block-scorer contract shared by GSA and the baselines.
+
+A scorer holds the block summaries of one (request, layer): for each KV head, a few
+numbers per block of ``block_size`` keys, on the keys' device. Call order:
+``fit(keys)`` once at prefill with the prompt's keys ``(H, N, D)`` (replaces any state);
+``append(keys, start)`` for every key written later (decode), at positions ``start ...``;
+``scores(q)`` any time: one score per (KV head, block) for the query heads ``(H, G, D)``
+of each group, higher = more attention mass expected. A partial last block is summarised
+as far as it is filled and updated in place as it fills. The scorer owns its summaries
+(tensors it allocates); it never keeps a reference to the caller's key tensors unless its
+documentation says so (the oracle does).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import math
+from typing import Any
+
+import torch
+
+from kvfabric.ucm_layer.sparse.selection import combine_group
+
+
+class BlockScorer(abc.ABC):
+    """Summaries + scoring for one (request, layer); see the module docstring."""
+
+    name: str = "abstract"
+    #: how ``scores`` combines the query heads of a group (see ``combine_group``)
+    combine: str = "softmax"
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        for n, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("block_size", block_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{n} must be a positive int, got {v!r}")
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.num_tokens = 0
+        self.fit_queries: torch.Tensor | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_tokens // self.block_size)
+
+    @property
+    @abc.abstractmethod
+    def numbers_per_block(self) -> float:
+        """Summary size per (KV head, block), in numbers of the summary dtype."""
+
+    @property
+    def summary_bytes_per_block(self) -> float:
+        return self.numbers_per_block * 4.0
+
+    def _check_keys(self, keys: torch.Tensor) -> None:
+        if keys.dim() != 3 or keys.shape[0] != self.num_kv_heads or keys.shape[2] != self.head_dim:
+            raise ValueError(
+                f"keys must be (num_kv_heads={self.num_kv_heads}, n, head_dim={self.head_dim}), "
+                f"got {tuple(keys.shape)}"
+            )
+
+    def fit(self, keys: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+        """Summarise the prompt's keys ``(H, N, D)``. ``queries`` ``(H, M, D)`` are the
+        prompt's queries grouped by KV head; scorers that do not use them ignore them."""
+        self._check_keys(keys)
+        if queries is not None and (
+            queries.dim() != 3 or queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]
+        ):
+            raise ValueError(f"queries must be (num_kv_heads, m, head_dim), got {tuple(queries.shape)}")
+        self.num_tokens = 0
+        self.fit_queries = queries
+        try:
+            self._fit(keys)
+        finally:
+            self.fit_queries = None
+        self.num_tokens = int(keys.shape[1])
+
+    def append(self, keys: torch.Tensor, start: int) -> None:
+        self._check_keys(keys)
+        if start != self.num_tokens:
+            raise ValueError(f"append at position {start}, but the scorer holds {self.num_tokens} tokens")
+        if keys.shape[1]:
+            self._append(keys, start)
+            self.num_tokens = start + int(keys.shape[1])
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """``(H, nb)`` combined block scores for ``q (H, G, D)``."""
+        per_head = self.block_scores(q)
+        return combine_group(per_head, self.combine, 1.0 / math.sqrt(self.head_dim))
+
+    @abc.abstractmethod
+    def _fit(self, keys: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def _append(self, keys: torch.Tensor, start: int) -> None: ...
+
+    @abc.abstractmethod
+    def block_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """``(H, G, nb)`` per-query-head scores (logit-like unless ``combine`` says else)."""
+
+
+class GrowingRows:
+    """A ``(H, capacity, width)`` tensor that doubles its capacity as blocks are added."""
+
+    def __init__(self, h: int, width: int, like: torch.Tensor, capacity: int = 64) -> None:
+        self.data = torch.empty((h, max(capacity, 1), width), dtype=like.dtype, device=like.device)
+
+    def ensure(self, nb: int) -> torch.Tensor:
+        cap = self.data.shape[1]
+        if nb > cap:
+            new = torch.empty(
+                (self.data.shape[0], max(nb, 2 * cap), self.data.shape[2]),
+                dtype=self.data.dtype,
+                device=self.data.device,
+            )
+            new[:, :cap] = self.data
+            self.data = new
+        return self.data
+
+
+class RowMaxScorer(BlockScorer):
+    """A scorer whose block summary is the element-wise max of per-key rows and whose score
+    is ``query_weights(q) . summary`` (GSA, Quest). Subclasses give ``key_rows`` and
+    ``query_weights``; rows are max-reductions, so a partial block updates in place."""
+
+    _FIT_CHUNK = 16384  # tokens summarised per pass at prefill (bounds temporary memory)
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_kv_heads, head_dim, block_size)
+        self._rows: GrowingRows | None = None
+
+    @property
+    def numbers_per_block(self) -> float:
+        return float(self.row_width)
+
+    @property
+    @abc.abstractmethod
+    def row_width(self) -> int: ...
+
+    @abc.abstractmethod
+    def key_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """``(H, n, row_width)`` rows of keys ``(H, n, D)``."""
+
+    @abc.abstractmethod
+    def query_weights(self, q: torch.Tensor) -> torch.Tensor:
+        """``(H, G, row_width)`` weights of queries ``(H, G, D)``."""
+
+    @property
+    def summaries(self) -> torch.Tensor:
+        """``(H, nb, row_width)`` (a view; do not keep it across appends)."""
+        if self._rows is None:
+            raise ValueError(f"{self.name}: no summaries yet, call fit() first")
+        return self._rows.data[:, : self.num_blocks]
+
+    def _fit(self, keys: torch.Tensor) -> None:
+        h, n, _ = keys.shape
+        bs = self.block_size
+        nb = -(-n // bs)
+        self._rows = GrowingRows(h, self.row_width, keys, capacity=max(64, 2 * nb))
+        out = self._rows.ensure(nb)
+        step = max(bs, self._FIT_CHUNK - self._FIT_CHUNK % bs)
+        for s in range(0, n, step):
+            blocks = edge_block_view(self.key_rows(keys[:, s : s + step]), bs).amax(dim=2)
+            out[:, s // bs : s // bs + blocks.shape[1]] = blocks
+
+    def _append(self, keys: torch.Tensor, start: int) -> None:
+        if self._rows is None:
+            raise ValueError(f"{self.name}: append() before fit()")
+        n = keys.shape[1]
+        rows = self.key_rows(keys)
+        bs = self.block_size
+        b0, b1 = start // bs, (start + n - 1) // bs
+        out = self._rows.ensure(b1 + 1)
+        idx = ((torch.arange(n, device=keys.device) + start) // bs - b0).view(1, n, 1).expand_as(rows)
+        fresh = rows.new_full((rows.shape[0], b1 - b0 + 1, rows.shape[2]), float("-inf"))
+        fresh.scatter_reduce_(1, idx, rows, reduce="amax", include_self=True)
+        if start % bs:  # the first block already holds keys: merge
+            fresh[:, 0] = torch.maximum(fresh[:, 0], out[:, b0])
+        out[:, b0 : b1 + 1] = fresh
+
+    def block_scores(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(self.query_weights(q), self.summaries.transpose(1, 2))
+
+
+def edge_block_view(rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``(H, n, X)`` -> ``(H, nb, block_size, X)``, the last block padded with copies of the
+    last row (neutral for a max or a min)."""
+    n = rows.shape[1]
+    pad = -n % block_size
+    if pad:
+        rows = torch.cat([rows, rows[:, -1:].expand(-1, pad, -1)], dim=1)
+    return rows.reshape(rows.shape[0], -1, block_size, rows.shape[2])
+
+
+def block_view(keys: torch.Tensor, block_size: int, fill: float) -> torch.Tensor:
+    """``(H, N, X)`` -> ``(H, nb, block_size, X)``, the last block padded with ``fill``."""
+    h, n, x = keys.shape
+    nb = -(-n // block_size)
+    pad = nb * block_size - n
+    if pad:
+        keys = torch.cat([keys, keys.new_full((h, pad, x), fill)], dim=1)
+    return keys.reshape(h, nb, block_size, x)
+
+
+#: scorer name -> "module:Class", imported on first use
+SCORERS: dict[str, str] = {
+    "gsa": "kvfabric.ucm_layer.sparse.gsa.summary:SvdMaxNormScorer",
+    "quest": "kvfabric.ucm_layer.sparse.baselines.quest:QuestScorer",
+    "meankey": "kvfabric.ucm_layer.sparse.baselines.meankey:MeanKeyScorer",
+    "hata": "kvfabric.ucm_layer.sparse.baselines.hata:HataScorer",
+    "oracle": "kvfabric.ucm_layer.sparse.baselines.oracle:OracleScorer",
+}
+
+
+def make_scorer(name: str, num_kv_heads: int, head_dim: int, block_size: int, **options: Any) -> BlockScorer:
+    """A fresh scorer registered as ``name`` (options are the class's keyword arguments)."""
+    target = SCORERS.get(name)
+    if target is None:
+        raise ValueError(f"unknown block scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
+    module, _, cls = target.partition(":")
+    klass = getattr(importlib.import_module(module), cls)
+    try:
+        return klass(num_kv_heads, head_dim, block_size, **options)
+    except TypeError as e:
+        raise ValueError(f"bad options for scorer {name!r}: {options!r} ({e})") from e
+
+
+__all__ = [
+    "SCORERS",
+    "BlockScorer",
+    "GrowingRows",
+    "RowMaxScorer",
+    "block_view",
+    "edge_block_view",
+    "make_scorer",
+]
