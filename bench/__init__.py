@@ -9,6 +9,7 @@ from __future__ import annotations
 
 BENCHMARKS: dict[str, str] = {
     "copy": "kvfabric.bench.copy:run",
+    "pool": "kvfabric.bench.pool:run",
 }
 
 __all__ = ["BENCHMARKS"]
