@@ -158,14 +158,18 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def make_row(case: Case, ours: CaseResult, peers: dict[str, tuple[Results, str]]) -> dict[str, Any]:
+def make_row(
+    case: Case, ours: CaseResult, peers: dict[str, tuple[Results, str]], note: dict[str, Any]
+) -> dict[str, Any]:
+    """One case's line: the figures and ratios at the top (the table shows those), the
+    peers' own figures, memcpy's and the machine's in nested objects."""
     row: dict[str, Any] = {
         "case": case.label,
         "op": case.api,
         "nbytes": case.shape.nbytes if case.op is not Op.EXISTS else 0,
         "batch": case.batch,
         "clients": case.clients,
-        "condition": case.condition or "as found",
+        "condition": case.condition,
         "gbps": ours.gbps,
         "p50_us": ours.p50_us,
         "p99_us": ours.p99_us,
@@ -181,7 +185,6 @@ def make_row(case: Case, ours: CaseResult, peers: dict[str, tuple[Results, str]]
         row[f"ratio_vs_{field}"] = ratio
         nested.setdefault(field, {}).update(info)
     row["other_core"] = ours.cpu.get("other_core")
-    row["errors"] = ours.errors
     if ours.note:
         row["note"] = ours.note
     row["memcpy"] = {"gbps": ours.memcpy_gbps, "p50_us": ours.memcpy_p50_us}
@@ -189,38 +192,75 @@ def make_row(case: Case, ours: CaseResult, peers: dict[str, tuple[Results, str]]
     row["detail"] = {
         "shape": case.shape.name,
         "pieces": len(case.shape.pieces),
+        "errors": ours.errors,
         "working_set": ours.working_set,
         "calls_per_round": ours.calls_per_round,
         "rounds": ours.rounds,
         "wall_s": ours.wall_s,
         **ours.cpu,
+        **note,
     }
     return row
+
+
+def measure_peers(plan: Plan, workdir: str) -> dict[str, tuple[Results, str]]:
+    """Each peer's results by case, and why it has none (empty when measured)."""
+    peers: dict[str, tuple[Results, str]] = {}
+    if "mooncake" in plan.peers:
+        why = module("mooncake").missing()
+        if why:
+            peers["mooncake"] = ({}, f"not installed: {why}")
+        else:
+            remote, embedded, err = run_mooncake(plan, workdir)
+            peers["mooncake"] = (remote, f"failed: {err}" if err else "")
+            if plan.mooncake_embedded:
+                peers["mooncake-embedded"] = (embedded, f"failed: {err}" if err else "")
+    if "redis" in plan.peers:
+        why = module("redis").missing()
+        if why:
+            peers["redis"] = ({}, f"not installed: {why}")
+        else:
+            try:
+                peers["redis"] = (run_store("redis", plan, workdir), "")
+            except Exception as e:  # noqa: BLE001 - a peer that cannot start is a note
+                peers["redis"] = ({}, f"failed to start: {e}")
+    return peers
+
+
+def directory_rows(plan: Plan, workdir: str, note: dict[str, Any]) -> list[dict[str, Any]]:
+    d = pooldir.measure(plan.directory_objects, plan.directory_fill, workdir)
+    exists = {k: d.pop(k) for k in ("exists_keys", "exists_hits", "exists_p50_us", "exists_p99_us")}
+    stored = f"{d['filled']} objects stored"
+    head = {"nbytes": 0, "clients": 1, "condition": stored, "gbps": None}
+    return [
+        {
+            "case": "directory",
+            "op": "batch_put_from",
+            **head,
+            "batch": pooldir.FILL_BATCH,
+            "p50_us": None,
+            "p99_us": None,
+            "bytes_per_object": d["bytes_per_object"],
+            "directory": d,
+            "detail": note,
+        },
+        {
+            "case": "exists",
+            "op": "batch_exists",
+            **head,
+            "batch": exists["exists_keys"],
+            "p50_us": exists["exists_p50_us"],
+            "p99_us": exists["exists_p99_us"],
+            "detail": {"hits": exists["exists_hits"], **note},
+        },
+    ]
 
 
 def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     plan = make_plan(ctx)
     note = machine_note()
     with tempfile.TemporaryDirectory(prefix="kvf-bench-pool-") as workdir:
-        peers: dict[str, tuple[Results, str]] = {}
-        if "mooncake" in plan.peers:
-            why = module("mooncake").missing()
-            if why:
-                peers["mooncake"] = ({}, f"not installed: {why}")
-            else:
-                remote, embedded, err = run_mooncake(plan, workdir)
-                peers["mooncake"] = (remote, f"failed: {err}" if err else "")
-                if plan.mooncake_embedded:
-                    peers["mooncake-embedded"] = (embedded, f"failed: {err}" if err else "")
-        if "redis" in plan.peers:
-            why = module("redis").missing()
-            if why:
-                peers["redis"] = ({}, f"not installed: {why}")
-            else:
-                try:
-                    peers["redis"] = (run_store("redis", plan, workdir), "")
-                except Exception as e:  # noqa: BLE001 - a peer that cannot start is a note
-                    peers["redis"] = ({}, f"failed to start: {e}")
+        peers = measure_peers(plan, workdir)
         max_objects = 4 * plan.working_set // (64 * KiB) + 16384
         svc = module("kvfabric").start(capacity(plan), workdir, {"max_objects": max_objects})
         try:
@@ -228,37 +268,10 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
             try:
                 runner.warm(plan.working_set)
                 for case in plan.cases:
-                    yield {**make_row(case, runner.run(case, plan), peers), **note}
+                    yield make_row(case, runner.run(case, plan), peers, note)
             finally:
                 runner.close()
         finally:
             svc.stop()
         if plan.directory_fill > 0:
-            d = pooldir.measure(plan.directory_objects, plan.directory_fill, workdir)
-            exists = {k: d.pop(k) for k in ("exists_keys", "exists_hits", "exists_p50_us", "exists_p99_us")}
-            yield {
-                "case": "directory",
-                "op": "batch_put_from",
-                "nbytes": 1,
-                "batch": pooldir.FILL_BATCH,
-                "clients": 1,
-                "condition": f"{d['filled']} objects stored",
-                "gbps": None,
-                "p50_us": None,
-                "p99_us": None,
-                **d,
-                **note,
-            }
-            yield {
-                "case": "exists",
-                "op": "batch_exists",
-                "nbytes": 0,
-                "batch": exists["exists_keys"],
-                "clients": 1,
-                "condition": f"{d['filled']} objects stored",
-                "gbps": None,
-                "p50_us": exists["exists_p50_us"],
-                "p99_us": exists["exists_p99_us"],
-                "hits": exists["exists_hits"],
-                **note,
-            }
+            yield from directory_rows(plan, workdir, note)
