@@ -9,9 +9,8 @@ root process and its descendants: clients, daemon, peer servers), and reports
 * ``cpu_busy``: the machine's busy fraction over the interval (0..1, all cores);
 * ``foreign_cores``: cores' worth of CPU used by anything that is not the benchmark
   (other users, and the deliberate spinner of an ``other-core-busy`` case);
-* ``other_core``: ``"idle"`` when ``foreign_cores`` < 0.15, else ``"busy"``.
-
-Linux only; elsewhere the fields are ``None``.
+* ``other_core``: ``"idle"`` when ``foreign_cores`` < 0.15, else ``"busy"``
+  (``"unknown"`` without ``/proc`` or for an interval shorter than a clock tick).
 """
 
 from __future__ import annotations
@@ -101,8 +100,8 @@ class CpuMeter:
 
     def stop(self) -> dict[str, Any]:
         a, b = self._a, self._sample()
-        if a is None or b is None or b.total <= a.total:
-            return {"cpu_busy": None, "foreign_cores": None, "other_core": None}
+        if a is None or b is None or b.total <= a.total:  # no /proc, or shorter than a tick
+            return {"cpu_busy": None, "foreign_cores": None, "other_core": "unknown"}
         total = b.total - a.total
         per_cpu_ticks = total / self.ncpu
         busy = (b.busy - a.busy) / total

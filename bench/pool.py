@@ -50,14 +50,6 @@ from kvfabric.bench.poolrunner import CaseResult, Runner
 from kvfabric.bench.report import BenchContext, machine_note
 from kvfabric.bench.stores import module
 
-POOL_HEADROOM = 1.25  # store capacity / working set: room for a round of puts past the gets
-EXTRA_CAPACITY = 16 * MiB  # and for the batch_exists keys
-
-
-def capacity(plan: Plan) -> int:
-    return int(plan.working_set * POOL_HEADROOM) + EXTRA_CAPACITY
-
-
 MOONCAKE_TIMEOUT_S = 1800.0
 
 Results = dict[tuple[Any, ...], CaseResult]
@@ -92,15 +84,11 @@ def _shape(spec: int | list[int]) -> Shape:
     return BLOCK if int(spec) == 0 else Shape.plain(int(spec))
 
 
-def _clients(plan: Plan) -> int:
-    return max(c.clients for c in plan.cases)
-
-
 def run_store(store: str, plan: Plan, workdir: str, options: dict[str, Any] | None = None) -> Results:
     """Start ``store``, measure every case with its clients, stop it."""
-    svc = module(store).start(capacity(plan), workdir, options or {})
+    svc = module(store).start(plan.store_capacity(), workdir, options or {})
     try:
-        runner = Runner(store, svc.params, plan.working_set, _clients(plan))
+        runner = Runner(store, svc.params, plan.client_capacities())
         try:
             runner.warm(plan.working_set)
             return {c.key: runner.run(c, plan) for c in plan.cases}
@@ -116,7 +104,6 @@ def run_mooncake(plan: Plan, workdir: str) -> tuple[Results, Results, str]:
         "working_set": plan.working_set,
         "rounds": plan.rounds,
         "round_s": plan.round_s,
-        "capacity": capacity(plan),
         "cases": [case_to_dict(c) for c in plan.cases],
         "embedded": plan.mooncake_embedded,
     }
@@ -262,9 +249,9 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="kvf-bench-pool-") as workdir:
         peers = measure_peers(plan, workdir)
         max_objects = 4 * plan.working_set // (64 * KiB) + 16384
-        svc = module("kvfabric").start(capacity(plan), workdir, {"max_objects": max_objects})
+        svc = module("kvfabric").start(plan.store_capacity(), workdir, {"max_objects": max_objects})
         try:
-            runner = Runner("kvfabric", svc.params, plan.working_set, _clients(plan))
+            runner = Runner("kvfabric", svc.params, plan.client_capacities())
             try:
                 runner.warm(plan.working_set)
                 for case in plan.cases:

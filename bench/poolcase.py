@@ -105,9 +105,32 @@ class Plan:
     mooncake_embedded: bool = True
     options: dict[str, object] = field(default_factory=dict)
 
+    def client_bytes(self, case: Case) -> int:
+        """One client's working set: its share of ``working_set``, but at least one batch
+        (four clients with batches of 32 blocks would not fit a quarter of 1 GiB)."""
+        share = self.working_set // case.clients
+        return share if case.op is Op.EXISTS else max(share, case.batch * case.shape.nbytes)
+
     def slots(self, case: Case) -> int:
         """Objects per client in the case's working set."""
-        return slots_for(self.working_set // case.clients, case.shape)
+        return slots_for(self.client_bytes(case), case.shape)
+
+    def client_capacities(self) -> list[int]:
+        """Buffer bytes each client process needs for every case it takes part in."""
+        n = max(c.clients for c in self.cases)
+        return [
+            max(
+                [self.working_set // (1 if w == 0 else n)]
+                + [self.client_bytes(c) for c in self.cases if c.clients > w]
+            )
+            for w in range(n)
+        ]
+
+    def store_capacity(self, headroom: float = 1.25, extra: int = 16 * MiB) -> int:
+        """Bytes a store needs: every client's working set at once, with headroom for
+        allocation granularity, plus room for the ``batch_exists`` keys."""
+        need = max([self.working_set] + [c.clients * self.client_bytes(c) for c in self.cases])
+        return int(need * headroom) + extra
 
 
 def slots_for(client_bytes: int, shape: Shape) -> int:

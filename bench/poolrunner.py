@@ -100,17 +100,17 @@ def _failure_note(failed: int, wrong: int, data: list[dict[str, Any]]) -> str:
 class Runner:
     """Client processes of one store (see module docstring)."""
 
-    def __init__(self, store: str, params: dict[str, Any], capacity: int, clients: int = 4) -> None:
+    def __init__(self, store: str, params: dict[str, Any], capacities: list[int]) -> None:
+        """``capacities``: buffer bytes of each client process (``Plan.client_capacities``)."""
         self.store = store
         self.ctx = mp.get_context("spawn")
-        self.barrier = self.ctx.Barrier(clients)
+        self.barrier = self.ctx.Barrier(len(capacities))
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         self.pids: list[int] = []
         try:
-            for wid in range(clients):
+            for wid, cap in enumerate(capacities):
                 parent, child = self.ctx.Pipe()
-                cap = capacity if wid == 0 else capacity // clients
                 proc = self.ctx.Process(
                     target=worker_main,
                     args=(child, wid, store, params, cap, self.barrier),
@@ -172,7 +172,7 @@ class Runner:
 
     def _run(self, case: Case, plan: Plan) -> CaseResult:
         n = case.clients
-        client_bytes = plan.working_set // n
+        client_bytes = plan.client_bytes(case)
         slots = plan.slots(case) if case.op is not Op.EXISTS else case.batch
         if slots < case.batch:
             return CaseResult(

@@ -22,6 +22,7 @@ own logging goes to stderr, which :func:`run` sends to a log file.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -194,13 +195,13 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _measure(shape: str, params: dict[str, Any], cases: list[Any], plan: Plan, clients: int) -> None:
+def _measure(shape: str, params: dict[str, Any], plan: Plan) -> None:
     from kvfabric.bench.poolrunner import Runner
 
-    runner = Runner("mooncake", params, plan.working_set, clients)
+    runner = Runner("mooncake", params, plan.client_capacities())
     try:
         runner.warm(plan.working_set)
-        for case in cases:
+        for case in plan.cases:
             res = runner.run(case, plan)
             _emit({"shape": shape, "case": case_to_dict(case), "result": res.to_dict()})
     finally:
@@ -214,18 +215,16 @@ def host_main(request: dict[str, Any]) -> None:
         working_set=int(request["working_set"]),
         rounds=int(request["rounds"]),
         round_s=float(request["round_s"]),
-        cases=(),
+        cases=tuple(case_from_dict(c) for c in request["cases"]),
     )
-    cases = [case_from_dict(c) for c in request["cases"]]
-    capacity = max(int(request["capacity"]), MIN_SEGMENT)
-    clients = max(c.clients for c in cases)
+    capacity = max(plan.store_capacity(), MIN_SEGMENT)
     services = Services(capacity)
     try:
-        _measure("remote", {"segment": 0}, cases, plan, clients)
+        _measure("remote", {"segment": 0}, plan)
         services.stop_store()
-        if request.get("embedded"):
-            single = [c for c in cases if c.clients == 1]
-            _measure("embedded", {"segment": capacity}, single, plan, 1)
+        single = tuple(c for c in plan.cases if c.clients == 1)
+        if request.get("embedded") and single:
+            _measure("embedded", {"segment": capacity}, dataclasses.replace(plan, cases=single))
     finally:
         services.stop()
 

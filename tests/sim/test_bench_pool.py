@@ -59,7 +59,7 @@ def test_bench_pool_rows_with_all_peers(isolated_shm):
             assert key in r, (key, r)
         assert r["detail"]["errors"] == 0 and "note" not in r, r
         assert r["gbps"] > 0 and r["memcpy"]["gbps"] > 0 and r["p99_us"] >= r["p50_us"] > 0, r
-        assert r["other_core"] in ("idle", "busy"), r
+        assert r["other_core"] in ("idle", "busy", "unknown"), r  # unknown: shorter than a tick
         assert r["detail"]["working_set"] > 0 and r["detail"]["rounds"] >= 5, r
         _check_peer(r, "mooncake")
         _check_peer(r, "redis")
