@@ -66,5 +66,17 @@ def open_driver(store: str, params: dict[str, Any]) -> Driver:
     return module(store).Driver(params)
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` for server subprocesses: SIGTERM them if the benchmark process dies
+    (Linux ``PR_SET_PDEATHSIG``), so a killed run leaves no server behind."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def chunks(items: list[Any], n: int) -> list[list[Any]]:
     return [items[i : i + n] for i in range(0, len(items), n)]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvfabric.bench.poolcase import Op
-from kvfabric.bench.stores import chunks
+from kvfabric.bench.stores import chunks, die_with_parent
 
 
 def missing() -> str | None:
@@ -46,6 +46,7 @@ class Service:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
+                preexec_fn=die_with_parent,
             )
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.startswith("{"):

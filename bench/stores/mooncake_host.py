@@ -26,6 +26,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -36,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvfabric.bench.poolcase import Plan, case_from_dict, case_to_dict
+from kvfabric.bench.stores import die_with_parent
 
 METADATA_PORT, MASTER_PORT, METRICS_PORT = 18080, 50151, 19003
 MIN_SEGMENT = 64 << 20  # Mooncake refuses very small segments
@@ -78,6 +80,7 @@ def run(request: dict[str, Any], log_path: str, timeout: float) -> Iterator[dict
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
+            preexec_fn=die_with_parent,
         )
     try:
         assert proc.stdin is not None and proc.stdout is not None
@@ -163,7 +166,7 @@ class Services:
 
     def _spawn(self, cmd: list[str], **kw: Any) -> subprocess.Popen:
         kw.setdefault("stdout", sys.stderr)  # keep stdout for result lines
-        proc = subprocess.Popen(cmd, text=True, **kw)
+        proc = subprocess.Popen(cmd, text=True, preexec_fn=die_with_parent, **kw)
         self.procs.append(proc)
         return proc
 
@@ -241,6 +244,7 @@ def store_main(capacity: int) -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop services
     if len(sys.argv) == 3 and sys.argv[1] == "--store":
         store_main(int(sys.argv[2]))
         return

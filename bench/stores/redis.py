@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvfabric.bench.poolcase import Op
-from kvfabric.bench.stores import chunks
+from kvfabric.bench.stores import chunks, die_with_parent
 
 SERVER = "redis-server"
 
@@ -62,7 +62,9 @@ class Service:
             "--maxmemory-policy", "noeviction",
             "--logfile", str(self.log),
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
+        )
         self.params = {"host": "127.0.0.1", "port": self.port}
         self.pids = [self.proc.pid]
         import redis
