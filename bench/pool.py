@@ -20,14 +20,17 @@ machine load during the pool's measurement (``other_core``). A peer that is not
 installed or does not start leaves its ratio ``null`` and says why in its object. The
 last row is the directory's size per object at 10^6 objects (:mod:`~kvfabric.bench.pooldir`).
 
-Options (``BenchContext.options``, for tests and experiments): ``working_set``,
-``sizes`` (bytes; 0 means the 122-piece block; a list of piece sizes is a layered
-object), ``batches``, ``clients``, ``peers``,
-``round_s``, ``directory_objects``, ``directory_fill``, ``mooncake_embedded``.
+Options (``BenchContext.options``, for tests and experiments): ``working_set``, ``sizes``
+(bytes; 0 means the 122-piece block; a list of piece sizes is a layered object),
+``batches``, ``clients``, ``peers``, ``round_s``, ``directory_objects``,
+``directory_fill``, ``mooncake_embedded``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -112,14 +115,23 @@ def run_mooncake(plan: Plan, workdir: str) -> tuple[Results, Results, str]:
     error = ""
     from kvfabric.bench.stores import mooncake_host
 
-    for line in mooncake_host.run(request, f"{workdir}/mooncake.log", MOONCAKE_TIMEOUT_S):
+    log = os.path.join(workdir, "mooncake.log")
+    for line in mooncake_host.run(request, log, MOONCAKE_TIMEOUT_S):
         if "result" in line:
             case = case_from_dict(line["case"])
-            (remote if line["shape"] == "remote" else embedded)[case.key] = CaseResult.from_dict(
-                line["result"]
-            )
+            result = CaseResult.from_dict(line["result"])
+            (remote if line["shape"] == "remote" else embedded)[case.key] = result
         else:
             error = str(line.get("message", line))
+    failed = any(v.note.startswith("failed") for r in (remote, embedded) for v in r.values())
+    if (error or failed) and os.path.exists(log):  # keep Mooncake's own log past the run
+        kept = os.path.join(tempfile.gettempdir(), f"kvfabric-bench-pool-mooncake-{os.getpid()}.log")
+        shutil.copyfile(log, kept)
+        error = error and f"{error} (Mooncake's log: {kept})"
+        for results in (remote, embedded):
+            for key, res in results.items():
+                if res.note.startswith("failed"):
+                    results[key] = dataclasses.replace(res, note=f"{res.note} (Mooncake's log: {kept})")
     return remote, embedded, error
 
 

@@ -15,7 +15,7 @@ range of the same bytes.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -103,7 +103,6 @@ class Plan:
     directory_fill: int = 1_000_000
     peers: tuple[str, ...] = ("mooncake", "redis")
     mooncake_embedded: bool = True
-    options: dict[str, object] = field(default_factory=dict)
 
     def client_bytes(self, case: Case) -> int:
         """One client's working set: its share of ``working_set``, but at least one batch

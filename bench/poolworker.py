@@ -9,11 +9,11 @@ with the store. Then it answers the host's commands over a pipe:
 * ``("warm", nbytes)``: put and remove ``nbytes`` of 4 MiB objects (faults the store's
   memory in, as a running system's would be);
 * ``("calibrate", case, client_bytes)``: store the case's objects if it reads them, run two
-  untimed calls, reply the seconds of the second;
-* ``("measure", case, client_bytes, calls, rounds, together)``: ``rounds`` rounds of ``calls`` calls,
-  each followed by a memcpy of the same bytes between the same slots of ``user`` and
-  ``scratch``; ``together``: a barrier makes every client starts each round together. Replies per round
-  ``(t0, t1, bytes, call seconds[], failures)`` and the same for memcpy;
+  untimed calls (removing what they put), reply ``(seconds of the second, failures, why)``;
+* ``("measure", case, client_bytes, calls, rounds, together)``: ``rounds`` rounds of
+  ``calls`` calls, each followed by a memcpy of the same bytes between the same slots of
+  ``user`` and ``scratch``; with ``together`` a barrier starts every client's round at once.
+  Replies per round ``(t0, t1, bytes, call seconds[], failures)`` and the same for memcpy;
 * ``("finish", case)``: remove what puts stored, check a few stored objects' bytes;
 * ``("release",)``: remove every object this client stored (before cases it sits out);
 * ``("stop",)``.

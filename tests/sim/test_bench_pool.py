@@ -11,6 +11,8 @@ import pytest
 from kvf_testing import segments
 
 from kvfabric.bench.report import BenchContext, run
+from kvfabric.bench.stores import mooncake as mooncake_store
+from kvfabric.bench.stores import mooncake_host
 from kvfabric.bench.stores import redis as redis_store
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -72,14 +74,18 @@ def test_bench_pool_rows_with_all_peers(isolated_shm):
     assert segments(isolated_shm) == []
 
 
-def test_a_missing_peer_is_named_in_every_row(isolated_shm, monkeypatch):
+def test_peers_that_cannot_run_are_named_in_every_row(isolated_shm, monkeypatch):
     monkeypatch.setattr(redis_store, "missing", lambda: "redis-server is not installed (test)")
-    rows = _rows({**TINY, "sizes": [64 * KiB], "clients": [1], "peers": ["redis"], "directory_fill": 0})
+    monkeypatch.setattr(mooncake_store, "missing", lambda: None)  # installed or not: it cannot start
+    monkeypatch.setattr(mooncake_host, "netns_prefix", lambda: "cannot create a network namespace (test)")
+    opts = {**TINY, "sizes": [64 * KiB], "clients": [1], "peers": ["mooncake", "redis"], "directory_fill": 0}
+    rows = _rows(opts)
     assert rows
     for r in rows:
-        assert r["ratio_vs_redis"] is None
+        assert r["ratio_vs_redis"] is None and r["ratio_vs_mooncake"] is None
         assert r["redis"]["status"] == "not installed: redis-server is not installed (test)"
-        assert "ratio_vs_mooncake" not in r  # not asked for
+        assert r["mooncake"]["status"] == "failed: cannot create a network namespace (test)"
+        assert r["gbps"] or r["p50_us"]  # the pool itself was measured
     assert segments(isolated_shm) == []
 
 
