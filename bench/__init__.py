@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, str] = {
     "xcopy": "kvfabric.bench.xcopy:run",
     "e2e": "kvfabric.bench.e2e:run",
     "gsa": "kvfabric.bench.sparse.run:run",
+    "pool": "kvfabric.bench.pool:run",
     "store": "kvfabric.bench.store:run",
 }
 
