@@ -149,3 +149,39 @@ void kvf_tbl_touch_batch(uint64_t base, const int64_t *idx, uint64_t n, uint32_t
 {
     for (uint64_t k = 0; k < n; k++) if (idx[k] >= 0) kvf_tbl_touch(base, idx[k], now);
 }
+
+/* Writer side, in C because it is the service's hot path. Single writer by contract. */
+
+/* Insert a new key (the caller checked it is absent and that there is room): copy the
+ * key into the arena, take the first empty slot from the key's home slot, and publish
+ * the slot under its sequence counter. Returns the slot, or -1 if the arena is full. */
+int64_t kvf_tbl_insert(uint64_t base, uint64_t h, const uint8_t *key, uint32_t klen, uint64_t gva,
+                       uint64_t size, uint64_t gen, uint32_t state, uint32_t now, uint32_t expire)
+{
+    kvf_hdr *hdr = (kvf_hdr *)(uintptr_t)base;
+    kvf_slot *slots = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr));
+    uint64_t nslots = hdr->nslots;
+    uint8_t *arena = (uint8_t *)(slots + nslots);
+    if (hdr->arena_used + klen > hdr->arena_size) return -1;
+    uint64_t off = hdr->arena_used;
+    memcpy(arena + off, key, klen);
+    hdr->arena_used = off + klen;
+    uint64_t i = h % nslots;
+    while (slots[i].hash != 0) i = (i + 1 == nslots) ? 0 : i + 1;
+    kvf_slot *s = &slots[i];
+    kvf_seq_begin((uint64_t)(uintptr_t)&s->seq);
+    s->hash = h; s->gva = gva; s->size = size; s->gen = gen; s->key_off = off; s->key_len = klen;
+    s->atime = now; s->expire = expire; s->state = (uint8_t)state;
+    kvf_seq_end((uint64_t)(uintptr_t)&s->seq);
+    hdr->count += 1;
+    return (int64_t)i;
+}
+
+/* Change a slot's state, recency and expiry under its sequence counter. */
+void kvf_tbl_set_state(uint64_t base, int64_t i, uint32_t state, uint32_t now, uint32_t expire)
+{
+    kvf_slot *s = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr)) + i;
+    kvf_seq_begin((uint64_t)(uintptr_t)&s->seq);
+    s->state = (uint8_t)state; s->atime = now; s->expire = expire;
+    kvf_seq_end((uint64_t)(uintptr_t)&s->seq);
+}

@@ -57,7 +57,7 @@ class FabricDataPlane:
         if dst.size == 0:
             return np.ones(0, bool)
         try:
-            handle = self.fab.batch_xcopy(CopyBatch(dst, src, sizes))
+            handle = self.fab.batch_xcopy(CopyBatch(dst, src, sizes), inline=True)
         except RankUnavailable:
             return np.zeros(dst.size, bool)  # a rank named by the batch is gone
         return handle.wait() == ItemStatus.OK

@@ -216,7 +216,7 @@ class MetaService:
                 out.append(Status.LEASE_EXPIRED)
                 continue
             if good:
-                self.table.update(hit.slot, state=int(SlotState.READABLE), atime=now_ticks(), expire=expire)
+                self.table.set_state(hit.slot, SlotState.READABLE, expire)
                 out.append(Status.OK)
             else:
                 self._free_object(hit.slot, key, hit.gva, hit.size)

@@ -40,15 +40,21 @@ class PoolMetrics:
         self.capacity = Gauge("kvfabric_pool_capacity_bytes", "window bytes", ["rank", "medium"], registry=r)
         self.evictions = Gauge("kvfabric_pool_evicted_objects", "objects evicted so far", registry=r)
         self.evicted_bytes = Gauge("kvfabric_pool_evicted_bytes", "bytes evicted so far", registry=r)
+        self._children: dict[str, tuple[Any, Any, Any]] = {}
 
     def observe(self, op: str, seconds: float, reply: Any) -> None:
-        self.requests.labels(op).inc()
-        self.latency.labels(op).observe(seconds)
+        children = self._children.get(op)
+        if children is None:  # labelled children are looked up once per operation
+            children = self._children[op] = (self.requests.labels(op), self.latency.labels(op),
+                                              self.keys.labels(op))
+        requests, latency, keys = children
+        requests.inc()
+        latency.observe(seconds)
         if reply.error:
             self.errors.labels(op).inc()
         n = max(len(reply.status), len(reply.flags))
         if n:
-            self.keys.labels(op).inc(n)
+            keys.inc(n)
         for code in reply.status:
             if code not in (Status.OK, Status.EXISTS):
                 self.failures.labels(op, Status(code).name).inc()

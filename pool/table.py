@@ -84,6 +84,9 @@ void kvf_key_hash_batch(const uint8_t *keys, const uint64_t *offs, const uint32_
                         uint64_t *out);
 void kvf_tbl_seq_batch(uint64_t base, const int64_t *idx, uint64_t n, uint64_t *out);
 void kvf_tbl_touch_batch(uint64_t base, const int64_t *idx, uint64_t n, uint32_t now);
+int64_t kvf_tbl_insert(uint64_t base, uint64_t h, const uint8_t *key, uint32_t klen, uint64_t gva,
+                       uint64_t size, uint64_t gen, uint32_t state, uint32_t now, uint32_t expire);
+void kvf_tbl_set_state(uint64_t base, int64_t i, uint32_t state, uint32_t now, uint32_t expire);
 """
 
 MISS, BUSY, RETIRED = -1, -2, -3

@@ -70,36 +70,11 @@ class TableWriter:
             self.compact_arena()
             if self._hdr("arena_used") + len(key) > self._hdr("arena_size"):
                 raise OutOfSpace(f"directory key arena full ({self._hdr('arena_size')} B of keys)")
-        h = self.hash_key(key)
-        i = self._first_empty(h % self.n)
-        off = self._hdr("arena_used")
-        self.view.arena[off : off + len(key)] = np.frombuffer(key, np.uint8)
-        self._set_hdr("arena_used", off + len(key))
-        self._write(
-            i,
-            hash=h,
-            gva=gva,
-            size=size,
-            gen=gen,
-            key_off=off,
-            key_len=len(key),
-            atime=now_ticks(),
-            expire=expire,
-            state=int(state),
-        )
-        self._set_hdr("count", self.count + 1)
+        i = int(self._lib.kvf_tbl_insert(self._hdr_addr, self.hash_key(key), key, len(key), gva, size,
+                                         gen, int(state), now_ticks(), expire))
+        if i < 0:
+            raise OutOfSpace(f"directory key arena full ({self._hdr('arena_size')} B of keys)")
         return i, False
-
-    def _first_empty(self, start: int) -> int:
-        n = self.view.nslots
-        hashes = self.slots["hash"]
-        i = start
-        while True:
-            stop = min(i + 64, n)
-            free = np.flatnonzero(hashes[i:stop] == 0)
-            if free.size:
-                return i + int(free[0])
-            i = stop % self.n
 
     def _write(self, i: int, **fields: int) -> None:
         addr = self._seq_addr(i)
@@ -110,8 +85,9 @@ class TableWriter:
         self._lib.kvf_seq_end(addr)
 
     # ------------------------------------------------------------------ updates
-    def set_state(self, slot: int, state: SlotState) -> None:
-        self._write(slot, state=int(state))
+    def set_state(self, slot: int, state: SlotState, expire: int = 0) -> None:
+        """Publish a new state (and expiry), marking the slot as just used."""
+        self._lib.kvf_tbl_set_state(self._hdr_addr, slot, int(state), now_ticks(), expire)
 
     def update(self, slot: int, **fields: int) -> None:
         unknown = set(fields) - set(_FIELDS)

@@ -435,13 +435,21 @@ class Fabric:
             h.raise_for_status()
 
     def batch_xcopy(
-        self, items: CopyBatch | Iterable[tuple[Any, Any, int]], *, version: int | None = None
+        self,
+        items: CopyBatch | Iterable[tuple[Any, Any, int]],
+        *,
+        version: int | None = None,
+        inline: bool = False,
     ) -> XferHandle:
-        """Copy many ``(dst, src, nbytes)`` pieces; grouped by rank pair; asynchronous."""
+        """Copy many ``(dst, src, nbytes)`` pieces; grouped by rank pair; asynchronous.
+
+        ``inline``: run the copies in the calling thread and return a finished handle
+        (per-item statuses, nothing raised): the cheapest way when the caller would wait
+        at once anyway."""
         self._check_member()
         view = self._view
         return submit(
-            view, plan(view, self.config, self.platform, self._transports, as_batch(items), version), False
+            view, plan(view, self.config, self.platform, self._transports, as_batch(items), version), inline
         )
 
     def batch_xcopy_sync(
