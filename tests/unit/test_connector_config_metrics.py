@@ -106,3 +106,24 @@ def test_spans_are_noops_without_an_endpoint_and_real_with_a_tracer():
         s.set(requested_tokens=300, hit_tokens=288, hit_rate=0.96)
     (span,) = exporter.get_finished_spans()
     assert span.name == "kvfabric.lookup" and span.attributes["hit_tokens"] == 288
+
+
+@pytest.mark.parametrize(
+    "value,want", [(False, None), ("off", None), (True, "gsa"), ("true", "gsa"), ("quest", "quest")]
+)
+def test_sparse_names_an_algorithm(value, want):
+    assert load_config({"sparse": value}).sparse == want
+
+
+def test_sparse_rejects_unknown_algorithms():
+    with pytest.raises(ValueError, match="'sparse' must be true/false or one of gsa"):
+        load_config({"sparse": "magic"})
+
+
+def test_pool_address_maps_to_the_pool_store_keys():
+    sock = store_config(load_config({"store": "pool", "pool_address": "/run/kvf/pool.sock"}))
+    assert sock == {"store": "pool", "pool.socket": "/run/kvf/pool.sock"}
+    tcp = store_config(load_config({"store": "cache|pool", "pool_address": "10.0.0.2:7800"}))
+    assert tcp["pool.tcp"] == "10.0.0.2:7800" and "cache.capacity" in tcp
+    embedded = store_config(load_config({"store": "pool", "pool_bytes": "64MiB"}))
+    assert embedded == {"store": "pool", "pool.embedded_dram": 64 << 20}

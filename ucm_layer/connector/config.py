@@ -15,8 +15,11 @@ given inline override the file's):
 ``delegator``          gather a block's pieces into one transfer (default true)
 ``staging_blocks``     Delegator staging slots, in blocks (default 128)
 ``layerwise``          load and dump layer by layer (default false: whole requests)
-``sparse``             enable the sparse-attention hooks (default false; reserved until the
-                       sparse module lands)
+``sparse``             a sparse decode-attention algorithm of ``kvfabric.ucm_layer.sparse``
+                       (``"gsa"``, ``"quest"``, ...; ``true`` means ``"gsa"``; default off).
+                       vLLM does not call sparse-attention hooks without engine patches, so
+                       in vLLM it only logs that decode attention stays dense; engines that
+                       call the ``UcmSparseBase`` hooks build the algorithm by this name
 ``load_timeout_s``     a load not finished by then is a failed load (default 60)
 ``otlp_endpoint``      OpenTelemetry collector URL; spans are exported only when set
                        (``OTEL_EXPORTER_OTLP_ENDPOINT`` also counts)
@@ -58,7 +61,7 @@ class ConnectorConfig:
     delegator: bool = True
     staging_blocks: int = 128
     layerwise: bool = False
-    sparse: bool = False
+    sparse: str | None = None
     load_timeout_s: float = 60.0
     otlp_endpoint: str | None = None
     platform: str | None = None
@@ -151,10 +154,31 @@ def _as_float(key: str, v: Any) -> float:
         raise ValueError(f"kvfabric config {key!r} must be a number, got {v!r}") from None
 
 
+SPARSE_ALGORITHMS = ("gsa", "quest", "meankey", "hata", "oracle", "dense")
+
+
+def _as_sparse(key: str, v: Any) -> str | None:
+    """``false`` / ``true`` / an algorithm name (the sparse registry's built-in names)."""
+    if (
+        v is None
+        or v is False
+        or (isinstance(v, str) and v.strip().lower() in ("", "0", "false", "off", "no"))
+    ):
+        return None
+    if v is True or (isinstance(v, str) and v.strip().lower() in ("1", "true", "on", "yes")):
+        return "gsa"
+    name = str(v).strip().lower()
+    if name not in SPARSE_ALGORITHMS:
+        raise ValueError(
+            f"kvfabric config {key!r} must be true/false or one of {', '.join(SPARSE_ALGORITHMS)}, got {v!r}"
+        )
+    return name
+
+
 _PARSERS = {
     "delegator": _as_bool,
     "layerwise": _as_bool,
-    "sparse": _as_bool,
+    "sparse": _as_sparse,
     "staging_blocks": _as_int,
     "cache_bytes": _as_size,
     "pool_bytes": _as_size,

@@ -90,6 +90,14 @@ class WorkerSide:
         self._failed: set[int] = set()
         self._load_trouble = False
         self._save_trouble = False
+        if cfg.sparse:
+            log.warning(
+                "kvfabric: sparse attention %r is configured, but vLLM does not call sparse-attention "
+                "hooks without engine patches: decode attention stays dense. Engines that call the "
+                "UcmSparseBase hooks build it with kvfabric.ucm_layer.sparse.base.create(%r, ...).",
+                cfg.sparse,
+                cfg.sparse,
+            )
 
     # ------------------------------------------------------------------ setup
     def register(
