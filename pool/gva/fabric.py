@@ -45,28 +45,25 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from kvfabric.errors import KVFabricError, RankUnavailable
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.registry import create
-from kvfabric.platform.types import CopyBatch, Medium, Span
+from kvfabric.platform.types import Medium
 from kvfabric.pool.gva import membership
 from kvfabric.pool.gva.address import REGION_BITS, AddressSpace, Gva
 from kvfabric.pool.gva.config import GvaConfig
-from kvfabric.pool.gva.handle import XferHandle, submit
+from kvfabric.pool.gva.copies import FabricCopies
 from kvfabric.pool.gva.monitor import Monitor
 from kvfabric.pool.gva.rendezvous import connect
 from kvfabric.pool.gva.rendezvous.base import KVStore
 from kvfabric.pool.gva.segments import MemberRecord, SegmentTable
-from kvfabric.pool.gva.single import copy_one
 from kvfabric.pool.gva.transports import Transport, TransportContext, build
 from kvfabric.pool.gva.view import MappedWindow, View
 from kvfabric.pool.gva.windows import map_table, prepare
-from kvfabric.pool.gva.xcopy import as_batch, plan
 
 log = logging.getLogger("kvfabric.gva")
 _MASK = (1 << REGION_BITS) - 1
@@ -88,7 +85,7 @@ class MembershipChange:
     left: tuple[int, ...]
 
 
-class Fabric:
+class Fabric(FabricCopies):
     """One rank of a GVA pool (see module docstring)."""
 
     def __init__(self, platform: Platform, store: KVStore, config: GvaConfig) -> None:
@@ -376,92 +373,6 @@ class Fabric:
         if self.state is not FabricState.JOINED:
             reason = self._evicted_reason or "it left the pool"
             raise RankUnavailable(f"rank {self.rank} cannot copy: {reason}")
-
-    # ------------------------------------------------------------------ fast path
-    def local_address(self, gva: int, nbytes: int) -> int:
-        """The address in this process of ``[gva, gva + nbytes)`` (mapped ranks only)."""
-        region = gva >> REGION_BITS
-        try:
-            stride, slots = self._view.fast[region if region > 0 else 3]
-            rank, off = divmod(gva & _MASK, stride)
-            ptr, size, _buf = slots[rank]  # type: ignore[misc]
-        except (IndexError, TypeError):
-            return self._unresolvable(gva, nbytes)
-        if nbytes <= 0 or off + nbytes > size:
-            return self._unresolvable(gva, nbytes)
-        return ptr + off
-
-    def resolve(self, gva: int, nbytes: int) -> Span:
-        """A platform ``Span`` of ``[gva, gva + nbytes)`` in this process (mapped ranks only)."""
-        region = gva >> REGION_BITS
-        try:
-            stride, slots = self._view.fast[region if region > 0 else 3]
-            rank, off = divmod(gva & _MASK, stride)
-            _ptr, size, buf = slots[rank]  # type: ignore[misc]
-        except (IndexError, TypeError):
-            self._unresolvable(gva, nbytes)
-        if nbytes <= 0 or off + nbytes > size:
-            self._unresolvable(gva, nbytes)
-        return Span(buf, off, nbytes)
-
-    def _unresolvable(self, gva: int, nbytes: int) -> Any:
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"nbytes must be an int > 0, got {nbytes!r}")
-        seg, _off = self._view.table.locate(gva, nbytes)  # raises for bad or absent ranges
-        raise RankUnavailable(
-            f"rank {seg.rank}'s {seg.medium.value} window is not mapped in this process "
-            f"(node {seg.node}, this is {self.node}): use xcopy"
-        )
-
-    # ------------------------------------------------------------------ copies
-    def xcopy(
-        self, dst: Any, src: Any, nbytes: int | None = None, *, version: int | None = None
-    ) -> XferHandle:
-        """Copy ``nbytes`` from ``src`` to ``dst`` (GVAs or local memory); asynchronous."""
-        self._check_member()
-        return copy_one(
-            self._view, self.config, self.platform, self._transports, dst, src, nbytes, version, False
-        )
-
-    def xcopy_sync(
-        self, dst: Any, src: Any, nbytes: int | None = None, *, version: int | None = None
-    ) -> None:
-        """``xcopy`` that returns once the bytes are in place; ``TransferFailed`` if not."""
-        self._check_member()
-        h = copy_one(
-            self._view, self.config, self.platform, self._transports, dst, src, nbytes, version, True
-        )
-        if h is not None:
-            h.raise_for_status()
-
-    def batch_xcopy(
-        self,
-        items: CopyBatch | Iterable[tuple[Any, Any, int]],
-        *,
-        version: int | None = None,
-        inline: bool = False,
-    ) -> XferHandle:
-        """Copy many ``(dst, src, nbytes)`` pieces; grouped by rank pair; asynchronous.
-
-        ``inline``: run the copies in the calling thread and return a finished handle
-        (per-item statuses, nothing raised): the cheapest way when the caller would wait
-        at once anyway."""
-        self._check_member()
-        view = self._view
-        return submit(
-            view, plan(view, self.config, self.platform, self._transports, as_batch(items), version), inline
-        )
-
-    def batch_xcopy_sync(
-        self, items: CopyBatch | Iterable[tuple[Any, Any, int]], *, version: int | None = None
-    ) -> None:
-        """``batch_xcopy`` that returns when every piece is in place; raises if any failed."""
-        self._check_member()
-        view = self._view
-        h = submit(
-            view, plan(view, self.config, self.platform, self._transports, as_batch(items), version), True
-        )
-        h.raise_for_status()
 
     def __repr__(self) -> str:
         return f"Fabric(rank={self.rank}, node={self.node!r}, {self.state.value}, v{self.version})"

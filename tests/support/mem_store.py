@@ -3,7 +3,9 @@
 It keeps the bytes of each (block id, shard) in a dict, moves them with ctypes from and
 to the caller's addresses on a background thread (so tasks really are asynchronous and
 ``after`` events really are waited for), counts the pieces it copied, and can be told
-to fail loads or to stop answering (``down``), as a backing service would.
+to fail loads (``fail_loads``: all of them; ``fail_next_loads``: the next N blocks) or to
+stop answering (``down``), as a backing service would. Given a platform, it checks the
+caller's addresses against the platform's live buffers before queueing anything.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvfabric.ucm_layer.store.base import (
     TaskKind,
     check_addrs,
     check_ids,
+    check_ranges,
     check_shard,
 )
 
@@ -36,11 +39,13 @@ class MemTask(Task):
 class MemStore(Store):
     name = "mem"
 
-    def __init__(self, layout: StoreLayout) -> None:
+    def __init__(self, layout: StoreLayout, platform: Any = None) -> None:
         self.layout = layout
+        self.platform = platform
         self.data: dict[tuple[bytes, int], bytes] = {}
         self.pieces_copied = 0
         self.fail_loads = False
+        self.fail_next_loads = 0
         self.down = False
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="memstore")
@@ -73,7 +78,10 @@ class MemStore(Store):
         for i, key in enumerate(ids):
             with self._lock:
                 blob = self.data.get((key.tobytes(), shard))
-            if self.fail_loads or self.down:
+            with self._lock:
+                fail = self.fail_loads or self.down or self.fail_next_loads > 0
+                self.fail_next_loads = max(0, self.fail_next_loads - 1)
+            if fail:
                 out[i] = BlockStatus.FAILED
                 continue
             if blob is None:
@@ -87,16 +95,20 @@ class MemStore(Store):
                 self.pieces_copied += len(sizes)
         return out
 
-    def load(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray) -> Task:
+    def _checked(self, ids: Any, shard_idx: int, addrs: Any) -> tuple[np.ndarray, int, np.ndarray]:
         ids = check_ids(ids)
         shard = check_shard(shard_idx, self.layout)
         addrs = check_addrs(addrs, len(ids), self.layout)
+        if self.platform is not None and addrs.size:
+            check_ranges(self.platform, addrs, self.layout)
+        return ids, shard, addrs
+
+    def load(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray) -> Task:
+        ids, shard, addrs = self._checked(ids, shard_idx, addrs)
         return MemTask(TaskKind.LOAD, len(ids), self._pool.submit(self._load, ids, shard, addrs))
 
     def dump(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray, after: Any = None) -> Task:
-        ids = check_ids(ids)
-        shard = check_shard(shard_idx, self.layout)
-        addrs = check_addrs(addrs, len(ids), self.layout)
+        ids, shard, addrs = self._checked(ids, shard_idx, addrs)
         return MemTask(TaskKind.DUMP, len(ids), self._pool.submit(self._dump, ids, shard, addrs, after))
 
     def check(self, task: Task) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from memstore import MemStore
+from mem_store import MemStore
 from tiny_llama import tiny_llama
 from torch_threads import one_torch_thread  # noqa: F401
 
