@@ -62,6 +62,7 @@ def gva_config(info: dict[str, Any]) -> GvaConfig:
         dram_stride=info["stride"],
         hbm_stride=info["stride"],
         transports=tuple(t.strip() for t in info["transports"].split(",") if t.strip()),
+        heartbeat_ttl=info.get("session_ttl_s", 10.0),
     )
 
 

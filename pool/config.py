@@ -56,6 +56,7 @@ class PoolConfig:
     rpc_timeout_s: float = 1.0  # clients: a call not answered by then is ServiceUnavailable
     pretouch: bool = True  # fault the service's window in at start (first touch is slow)
     rendezvous: str = ""  # "" -> the node hosts one; else a store url (etcd://host:port)
+    session_ttl_s: float = 10.0  # a rank silent this long (hung, not exited) leaves the pool
     transports: str = "mapped"  # GVA transports ranks may use, in order ("mapped,remote")
 
     def __post_init__(self) -> None:
@@ -76,7 +77,7 @@ class PoolConfig:
                 f"pool config watermarks: need 0 < low_watermark ({self.low_watermark}) < "
                 f"high_watermark ({self.high_watermark}) <= 1"
             )
-        for key in ("write_lease_s", "read_lease_s", "rpc_timeout_s"):
+        for key in ("write_lease_s", "read_lease_s", "rpc_timeout_s", "session_ttl_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"pool config {key} must be > 0, got {getattr(self, key)}")
         if self.default_ttl_s < 0:

@@ -242,20 +242,21 @@ class MetaService(Upkeep):
 
     # ------------------------------------------------------------------ removal
     def remove(self, keys: list[bytes]) -> list[int]:
+        """Take readable objects out of the directory. A key still being written is not
+        visible, so it is NOT_FOUND here too, and its write goes on."""
         out = []
         for key in keys:
             hit = self.table.find(key)
-            if hit is None:
+            if hit is None or hit.state != SlotState.READABLE:
                 out.append(Status.NOT_FOUND)
                 continue
-            self.write_leases.pop(key, None)
             self._free_object(hit.slot, key, hit.gva, hit.size)
             out.append(Status.OK)
         self.counters.count("remove", len(keys), out.count(Status.NOT_FOUND))
         return out
 
     def remove_all(self) -> int:
-        live = np.flatnonzero(self.table.slots["hash"] != 0)
+        live = np.flatnonzero(self.table.slots["state"] == int(SlotState.READABLE))
         keys = [self.table.view.key_of(int(s)) for s in live]
         return self.remove(keys).count(Status.OK)
 

@@ -45,8 +45,11 @@ class PoolMetrics:
     def observe(self, op: str, seconds: float, reply: Any) -> None:
         children = self._children.get(op)
         if children is None:  # labelled children are looked up once per operation
-            children = self._children[op] = (self.requests.labels(op), self.latency.labels(op),
-                                              self.keys.labels(op))
+            children = self._children[op] = (
+                self.requests.labels(op),
+                self.latency.labels(op),
+                self.keys.labels(op),
+            )
         requests, latency, keys = children
         requests.inc()
         latency.observe(seconds)

@@ -75,6 +75,7 @@ class PoolNode:
                     "rendezvous": url,
                     "namespace": f"kvfabric/pool/{self.config.name}",
                     "transports": self.config.transports,
+                    "session_ttl_s": self.config.session_ttl_s,
                 },
             )
             if self.config.dram:
@@ -101,7 +102,9 @@ class PoolNode:
         """The pool's single-node rendezvous store: TCP when the pool serves other nodes,
         else a Unix socket beside the RPC socket (or in a private directory, embedded)."""
         if self.config.tcp_addr is not None:
-            self.rdv = RendezvousServer(self.config.tcp_addr[0], 0).start()
+            self.rdv = RendezvousServer(
+                self.config.tcp_addr[0], 0, session_ttl=self.config.session_ttl_s
+            ).start()
             return self.rdv.url
         if self.persistent:
             path = self.config.socket + ".rdv"
@@ -110,7 +113,7 @@ class PoolNode:
         else:
             self._tmpdir = tempfile.mkdtemp(prefix="kvfabric-pool-")
             path = os.path.join(self._tmpdir, "rdv.sock")
-        self.rdv = RendezvousServer(unix_path=path).start()
+        self.rdv = RendezvousServer(unix_path=path, session_ttl=self.config.session_ttl_s).start()
         return self.rdv.url
 
     def _adopt_old_tables(self, rebuild: bool) -> int:

@@ -70,8 +70,20 @@ class TableWriter:
             self.compact_arena()
             if self._hdr("arena_used") + len(key) > self._hdr("arena_size"):
                 raise OutOfSpace(f"directory key arena full ({self._hdr('arena_size')} B of keys)")
-        i = int(self._lib.kvf_tbl_insert(self._hdr_addr, self.hash_key(key), key, len(key), gva, size,
-                                         gen, int(state), now_ticks(), expire))
+        i = int(
+            self._lib.kvf_tbl_insert(
+                self._hdr_addr,
+                self.hash_key(key),
+                key,
+                len(key),
+                gva,
+                size,
+                gen,
+                int(state),
+                now_ticks(),
+                expire,
+            )
+        )
         if i < 0:
             raise OutOfSpace(f"directory key arena full ({self._hdr('arena_size')} B of keys)")
         return i, False

@@ -128,4 +128,3 @@ class Upkeep:
                 hit = self.table.find(key)
                 if hit is not None:
                     self._free_object(hit.slot, key, hit.gva, hit.size)
-

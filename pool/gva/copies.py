@@ -122,4 +122,3 @@ class FabricCopies:
             view, plan(view, self.config, self.platform, self._transports, as_batch(items), version), True
         )
         h.raise_for_status()
-

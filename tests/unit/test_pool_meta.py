@@ -183,3 +183,12 @@ def test_remove_all_and_capacity(env):
     assert svc.remove_all() == 5 and svc.table.count == 0
     (row,) = svc.capacity()
     assert row["used"] == 0 and row["capacity"] == 100 * KiB
+
+
+def test_remove_does_not_see_a_put_in_flight(env):
+    svc, _ = env
+    svc.alloc("w", [b"k"], [KiB])
+    assert svc.remove([b"k"]) == [Status.NOT_FOUND]  # invisible while being written
+    assert svc.remove_all() == 0
+    assert svc.commit("w", [b"k"], [True]) == [Status.OK]
+    assert svc.remove([b"k"]) == [Status.OK] and svc.exists([b"k"]) == [False]
