@@ -13,6 +13,7 @@ import tempfile
 from typing import Any
 
 import numpy as np
+from rich.markup import escape
 from rich.table import Table
 
 PROMPT_TOKENS = 1024
@@ -26,12 +27,12 @@ def run_connector_demo(con: Any) -> bool:
 
     problem = vllm_problem()
     if problem:
-        con.print(f"[yellow]vLLM part skipped[/]: {problem}")
+        con.print(f"[yellow]vLLM part skipped[/]: {escape(problem)}")
         return True
     try:
         model, name, vocab = smollm2(), "SmolLM2-135M-Instruct", 49152
     except ModelUnavailable as e:
-        con.print(f"[yellow]SmolLM2 unavailable ({e}); using a tiny random Llama[/]")
+        con.print(f"[yellow]SmolLM2 unavailable ({escape(str(e))}); using a tiny random Llama[/]")
         model, name, vocab = tiny_llama(), "tiny random Llama", 512
     store = default_store()
     tmp = tempfile.mkdtemp(prefix="kvf-demo-")
