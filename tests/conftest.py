@@ -44,3 +44,12 @@ def isolated_shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="kvf-test-", dir=base) as d:
         monkeypatch.setenv("KVFABRIC_SHM_DIR", d)
         yield Path(d)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_daemons() -> Iterator[None]:
+    """A pool daemon a failing test started and did not stop is killed after the test."""
+    yield
+    helper = sys.modules.get("pool_testing")
+    if helper is not None:
+        helper.kill_leftovers()

@@ -20,8 +20,24 @@ def content(key: str, size: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the test process dies (Linux)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class Daemon:
-    """``kvfabric pool serve`` in a subprocess; ``start()`` waits for its ready line."""
+    """``kvfabric pool serve`` in a subprocess; ``start()`` waits for its ready line.
+
+    Every daemon started is remembered in ``Daemon.started`` so a fixture can kill what a
+    failing test left behind (``kill_leftovers``); a daemon also dies with the test process.
+    """
+
+    started: list[Daemon] = []
 
     def __init__(self, tmp: Path, name: str = "t", dram: str = "64MiB", extra: dict | None = None) -> None:
         self.tmp = Path(tmp)
@@ -47,7 +63,9 @@ class Daemon:
             stderr=subprocess.PIPE,
             text=True,
             env=os.environ.copy(),
+            preexec_fn=_die_with_parent,
         )
+        Daemon.started.append(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
@@ -68,3 +86,11 @@ class Daemon:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(30)
+
+
+def kill_leftovers() -> None:
+    """Kill every daemon a test started and did not stop."""
+    while Daemon.started:
+        d = Daemon.started.pop()
+        if d.proc is not None and d.proc.poll() is None:
+            d.kill()
