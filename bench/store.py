@@ -40,6 +40,7 @@ import numpy as np
 from kvfabric.bench.report import BenchContext, machine_note
 from kvfabric.bench.store_io import CpuMeter, LayerBuffers, hashing_rows, plain_read, plain_write
 from kvfabric.platform.registry import create
+from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store import registry
 from kvfabric.ucm_layer.store.base import BlockStatus, Store, StoreLayout
 
@@ -95,6 +96,9 @@ def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int
     store = registry.create(spec, _config(spec, root, layout, blocks), platform=plat, layout=layout)
     src = LayerBuffers(plat, layout, blocks, seed=1)
     dst = LayerBuffers(plat, layout, blocks, seed=None)
+    # a posix store loading into host memory (a CPU engine's KV cache) reads files straight
+    # into the pieces: measured too, next to the same plain read
+    dst_host = LayerBuffers(plat, layout, blocks, seed=None, medium=Medium.DRAM) if spec == "posix" else None
     base_a = np.ones(nbytes, np.uint8)
     base_b = np.zeros(nbytes, np.uint8)
     posix = _posix_of(store)
@@ -111,6 +115,10 @@ def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int
             _must_ok(st, f"{spec} load")
             t_mem, _ = _timed(lambda: np.copyto(base_b, base_a))
             sample = {"dump": t_dump, "load": t_load, "memcpy": t_mem}
+            if dst_host is not None:
+                t_host, st = _timed(lambda ids=ids: store.wait(store.load(ids, 0, dst_host.addrs)))
+                _must_ok(st, f"{spec} load into host memory")
+                sample["load_host"] = t_host
             if r == 0 and not np.array_equal(src.sample(), dst.sample()):
                 raise RuntimeError(f"{spec}: loaded bytes differ from dumped ones")
             if spec == "cache|posix":
@@ -133,7 +141,7 @@ def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int
         busy = meter.other_cores_busy()
         med = {k: statistics.median(v) for k, v in times.items()}
         mem_gbps = nbytes / med["memcpy"] / 1e9
-        for op in ("dump", "load", "load_miss"):
+        for op in ("dump", "load", "load_miss", "load_host"):
             if op not in med:
                 continue
             gbps = nbytes / med[op] / 1e9
@@ -154,7 +162,12 @@ def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int
             }
             # the plain file I/O a store op competes with: a posix store's own loads and
             # dumps; a pipeline's dumps and its loads of blocks only the posix tier has
-            ref = {"dump": "write", "load": "read" if spec == "posix" else None, "load_miss": "read"}[op]
+            ref = {
+                "dump": "write",
+                "load": "read" if spec == "posix" else None,
+                "load_miss": "read",
+                "load_host": "read",
+            }[op]
             if posix is not None and ref is not None:
                 ref_gbps = nbytes / med[ref] / 1e9
                 row[f"{ref}_gbps"] = round(ref_gbps, 3)
@@ -164,6 +177,8 @@ def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int
         store.close()
         src.free()
         dst.free()
+        if dst_host is not None:
+            dst_host.free()
         shutil.rmtree(root, ignore_errors=True)
 
 

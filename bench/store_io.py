@@ -21,14 +21,17 @@ PROMPT_TOKENS = 128 * 1024
 
 
 class LayerBuffers:
-    """One device buffer per piece (as vLLM keeps one KV tensor per layer), ``blocks`` blocks
-    each; ``addrs[b, p]`` is block ``b``'s slice of tensor ``p``. Filled (pre-touched) with
-    a pattern, or zeros when ``seed`` is None."""
+    """One device buffer per piece (as vLLM keeps one KV tensor per layer; ``medium=DRAM``:
+    host memory, as the CPU engine's KV cache is), ``blocks`` blocks each; ``addrs[b, p]``
+    is block ``b``'s slice of tensor ``p``. Filled (pre-touched) with a pattern, or zeros
+    when ``seed`` is None."""
 
-    def __init__(self, plat: Platform, layout: StoreLayout, blocks: int, seed: int | None) -> None:
+    def __init__(
+        self, plat: Platform, layout: StoreLayout, blocks: int, seed: int | None, medium: Medium = Medium.HBM
+    ) -> None:
         self.plat = plat
         self.sizes = layout.piece_sizes
-        self.bufs = [plat.alloc(blocks * s, Medium.HBM) for s in self.sizes]
+        self.bufs = [plat.alloc(blocks * s, medium) for s in self.sizes]
         biggest = max(b.nbytes for b in self.bufs)
         host = plat.alloc(biggest, Medium.DRAM)
         rng = np.random.default_rng(seed or 0)

@@ -375,3 +375,46 @@ def test_prefetch_and_config_errors(tmp_path, plat):
         PosixConfig.from_mapping({"posix.dir": "/tmp/x"})
     with pytest.raises(ValueError, match="twice"):
         PosixConfig.from_mapping({"posix.dirs": ["/tmp/x", "/tmp/x/"]})
+
+
+class ShortReadIO(FileIO):
+    """Real files, but every ``preadv`` returns at most 1000 bytes (as a signal may)."""
+
+    def read_scatter(self, fd, views, offset):
+        real = os.preadv
+
+        def short(fd_, bufs, pos):
+            budget, cut = 1000, []
+            for b in bufs:
+                if budget <= 0:
+                    break
+                cut.append(b[:budget])
+                budget -= len(cut[-1])
+            return real(fd_, cut, pos)
+
+        os.preadv = short
+        try:
+            super().read_scatter(fd, views, offset)
+        finally:
+            os.preadv = real
+
+
+@pytest.mark.parametrize("io", [FileIO, ShortReadIO], ids=["preadv", "short-reads"])
+def test_loads_into_host_pieces_read_straight_into_them(tmp_path, plat, io):
+    """Host (DRAM) destinations are filled by a scatter read per block, with no bounce
+    buffer and no platform copy; device destinations keep the bounce path."""
+    store = posix(tmp_path, plat)
+    store.io = io()
+    ids = random_ids(6, 77)
+    assert (dump(store, plat, ids) == OK).all()
+    host = Blocks(plat, LAYOUT, 6, medium=Medium.DRAM)
+    plat.ledger.reset()
+    assert (store.wait(store.load(ids, 0, host.addrs)) == OK).all()
+    assert plat.ledger.totals() == []  # no bounce copy: the file went straight into the pieces
+    assert np.array_equal(host.read(), block_bytes(ids, LAYOUT.shard_bytes))
+    device = Blocks(plat, LAYOUT, 6)
+    plat.ledger.reset()
+    assert (store.wait(store.load(ids, 0, device.addrs)) == OK).all()
+    assert plat.ledger.totals()  # device memory: bounce buffer and a batched copy
+    assert np.array_equal(device.read(), block_bytes(ids, LAYOUT.shard_bytes))
+    store.close()

@@ -65,6 +65,21 @@ class FileIO:
                 raise OSError(errno.EIO, f"short read: {done} of {len(view)} B at offset {offset}")
             done += n
 
+    def read_scatter(self, fd: int, views: list[memoryview], offset: int) -> None:
+        """Fill ``views`` in order from ``offset`` with as few ``preadv`` calls as it takes."""
+        pending = [v for v in views if len(v)]
+        pos = offset
+        while pending:
+            n = os.preadv(fd, pending, pos)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short read at offset {pos}")
+            pos += n
+            while pending and n >= len(pending[0]):
+                n -= len(pending[0])
+                pending.pop(0)
+            if pending and n:
+                pending[0] = pending[0][n:]
+
     def write_from(self, fd: int, view: memoryview, offset: int) -> None:
         done = 0
         while done < len(view):
