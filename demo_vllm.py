@@ -39,7 +39,8 @@ def run_connector_demo(con: Any) -> bool:
     con.print(f"vLLM engine on CPU with kvfabric ({store}, files in {tmp}), model {name} ...")
     prompt = np.random.default_rng(1).integers(3, vocab, PROMPT_TOKENS).tolist()
     try:
-        eng = make_engine(model, kvfabric_transfer_config(store, tmp), kv_bytes=256 << 20, max_model_len=4096)
+        cfg = kvfabric_transfer_config(store, tmp, cache_bytes="256MiB", pool_bytes="256MiB")
+        eng = make_engine(model, cfg, kv_bytes=256 << 20, max_model_len=4096)
         try:
             eng.ttft(prompt[:64][::-1])  # warm-up request
             cold = eng.ttft(prompt)

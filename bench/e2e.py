@@ -198,7 +198,7 @@ def _ttft_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
     loaded: dict[int, int] = dict.fromkeys(lengths, 0)
     modes = {
         "cold": None,
-        "kvfabric": kvfabric_transfer_config(store, f"{tmp}/kvfabric", cache_bytes="1GiB"),
+        "kvfabric": kvfabric_transfer_config(store, f"{tmp}/kvfabric", cache_bytes="1GiB", pool_bytes="1GiB"),
         "example": example_transfer_config(f"{tmp}/example"),
     }
     try:
