@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -125,7 +126,28 @@ def test_killed_daemon_then_restart_rebuilds_the_directory(tmp_path, isolated_sh
     assert (st == Status.OK).all()
     ranks = {c.addr.decode(int(c.table.lookup(k.encode()).gva))[1] for k in keys}
     assert ranks == {0, c.rank}  # objects in the daemon's window and in the client's
-    d.kill()  # SIGKILL: no cleanup at all
+    # a second client keeps putting batches while the daemon is killed under it
+    writer = connect(d.socket)
+    outcome: dict = {}
+
+    def keep_putting() -> None:
+        i = 0
+        try:
+            while True:
+                writer.batch_put([f"busy{i % 4}-{j}" for j in range(32)], [b"y" * 20_000] * 32)
+                i += 1
+        except ServiceUnavailable as e:
+            outcome["error"], outcome["at"] = e, time.monotonic()
+
+    t = threading.Thread(target=keep_putting)
+    t.start()
+    time.sleep(0.3)
+    killed_at = time.monotonic()
+    d.kill()  # SIGKILL mid-batch: no cleanup at all
+    t.join(10)
+    assert not t.is_alive() and "error" in outcome  # the writer got ServiceUnavailable...
+    assert outcome["at"] - killed_at < 1.5  # ...within about a second, no hang
+    writer.close()
     t0 = time.monotonic()
     with pytest.raises(ServiceUnavailable):
         c.batch_put([f"late{i}" for i in range(8)], [b"x" * 1000] * 8)
