@@ -33,7 +33,18 @@ class GSA(BlockSparseAttention):
 
     name = "gsa"
     scorer_name = "gsa"
-    scorer_keys = ("rank", "margin", "basis_tokens", "residual_groups", "basis")
+    scorer_keys = (
+        "rank",
+        "margin",
+        "basis_tokens",
+        "residual_groups",
+        "basis",
+        "query_weight",
+        "select",
+        "bound_share",
+        "spread",
+        "residual",
+    )
 
     def __init__(
         self,
@@ -61,6 +72,8 @@ class GSA(BlockSparseAttention):
             raise ValueError("offload needs an absolute budget_tokens (device slots are sized from it)")
         if self.cfg.dense_layers:
             raise ValueError("offload cannot keep dense_layers: offloaded blocks are not on the device")
+        if sel.allocation != "head":
+            raise ValueError("offload needs allocation='head' (device slots are sized per KV head)")
         free = max(sel.budget_tokens // model.block_size - sel.sink_blocks - sel.recent_blocks, 1)
         self.cache_blocks = 2 * free if cache_blocks is None else int(cache_blocks)
         if self.cache_blocks < free:
