@@ -65,15 +65,15 @@ class GSA(BlockSparseAttention):
         self._wrapped: dict[int, Any] = {}
         if not self.offload:
             return
+        sel = self.cfg.selection
+        if sel.allocation != "head":
+            raise ValueError("offload needs allocation='head' (device slots are sized per KV head)")
         if store is None or platform is None:
             raise ValueError("offload needs a store and the platform that knows the KV cache memory")
-        sel = self.cfg.selection
         if sel.budget_tokens is None:
             raise ValueError("offload needs an absolute budget_tokens (device slots are sized from it)")
         if self.cfg.dense_layers:
             raise ValueError("offload cannot keep dense_layers: offloaded blocks are not on the device")
-        if sel.allocation != "head":
-            raise ValueError("offload needs allocation='head' (device slots are sized per KV head)")
         free = max(sel.budget_tokens // model.block_size - sel.sink_blocks - sel.recent_blocks, 1)
         self.cache_blocks = 2 * free if cache_blocks is None else int(cache_blocks)
         if self.cache_blocks < free:
