@@ -234,17 +234,14 @@ class RowMaxScorer(BlockScorer):
         return torch.softmax(torch.matmul(w, self._columns()), dim=-1).sum(dim=1)
 
     def select_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """With a ``priority_share``, the priority is the bound: each block's best bound over
-        the group, relative to that head's best block (one product for both scores)."""
+        """With a ``priority_share``, the priority is the bound for the group's mean query
+        (one more row in the same product; a per-head order needs no normalisation)."""
         if not self.priority_share or self.combine != "softmax":
             return super().select_scores(q)
         g = q.shape[1]
-        w = torch.cat([self.ranking_weights(q), self.query_weights(q)], dim=1) * (
-            1.0 / math.sqrt(self.head_dim)
-        )
-        s = torch.matmul(w, self._columns())
-        b = s[:, g:]
-        return torch.softmax(s[:, :g], dim=-1).sum(dim=1), (b - b.amax(dim=-1, keepdim=True)).amax(dim=1)
+        w = torch.cat([self.ranking_weights(q), self.query_weights(q.mean(dim=1, keepdim=True))], dim=1)
+        s = torch.matmul(w * (1.0 / math.sqrt(self.head_dim)), self._columns())
+        return torch.softmax(s[:, :g], dim=-1).sum(dim=1), s[:, g]
 
 
 def edge_block_view(rows: torch.Tensor, block_size: int) -> torch.Tensor:
