@@ -7,9 +7,11 @@ oracle_recall, recall_vs_oracle, out_err, needle_hit, bytes_frac, speedup_vs_den
 * ``synthetic``: every method on the calibrated synthetic workload (its statistics are
   printed first), at several contexts and budgets; ``speedup_vs_dense`` is the timed
   decode-attention step of that method's scorer next to dense on the same tensors;
-* ``needles``: GSA's needle hit rate with 1 to 8 needles up to the largest context;
+* ``needles``: the needle hit rate of GSA's variants, Quest and the oracle with 1 to 8
+  needles of both kinds up to the largest context;
 * ``speed``: the GSA step's components (scoring, top-k, gather, attention) at 8K, 32K and
-  128K next to dense attention, with the scoring share;
+  128K next to dense attention, with the scoring share (median and quartiles) and the
+  machine's busy fraction while it was timed;
 * ``smollm2``: SmolLM2-135M-Instruct on passkey prompts: real captured attention scored
   like the synthetic case, and the decode loop through the hooks (passkey answer and
   next-token KL against dense). Skipped with a note when the model cannot be fetched.

@@ -1,7 +1,8 @@
 """Block-sparse decode attention behind the ``UcmSparseBase`` hooks (GSA and its baselines).
 
 ``BlockSparseAttention`` drives one block scorer per (request, layer): it fits the scorer
-on the prompt's keys at prefill, appends every later key (so the summaries follow the
+on the prompt's keys at prefill (and the queries of the prompt's last ``query_window``
+tokens, for scorers that use them), appends every later key (so the summaries follow the
 blocks as they fill), and, for each (request, layer) that the adaptive switch puts in
 ``SPARSE`` mode, replaces the request's block table in ``attention_begin`` with the
 selected blocks of each KV head (forced sink/recent blocks + top-k by score under the
