@@ -26,7 +26,7 @@ import torch
 
 from kvfabric.ucm_layer.sparse.attention import attend, block_mask, gather_blocks
 from kvfabric.ucm_layer.sparse.scorer import make_scorer
-from kvfabric.ucm_layer.sparse.selection import SelectionConfig, forced_blocks, lens_of
+from kvfabric.ucm_layer.sparse.selection import SelectionConfig, forced_blocks, lens_of, top_free
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,18 @@ def block_mass(p: torch.Tensor, block_size: int) -> torch.Tensor:
     return p.reshape(h, g, -1, block_size).sum(-1)
 
 
-def _free_topk(score: torch.Tensor, nb: int, k: int, sel: SelectionConfig) -> torch.Tensor:
+def _free_topk(
+    score: torch.Tensor,
+    nb: int,
+    k: int,
+    sel: SelectionConfig,
+    priority: torch.Tensor | None = None,
+    share: float = 0.0,
+) -> torch.Tensor:
     sink, recent = forced_blocks(nb, sel)
     free = k - sink - recent
-    return torch.topk(score[:, sink : nb - recent], free, dim=-1).indices + sink
+    prio = None if priority is None else priority[:, sink : nb - recent]
+    return top_free(score[:, sink : nb - recent], free, sel, prio, share) + sink
 
 
 def _recall(bm: torch.Tensor, free_idx: torch.Tensor, nb: int, sel: SelectionConfig) -> torch.Tensor:
@@ -110,7 +118,7 @@ def evaluate(
         torch.softmax(torch.matmul(q[s], k.transpose(1, 2)) / math.sqrt(d), dim=-1) for s in range(steps)
     ]
     masses = [block_mass(p, block_size) for p in probs]
-    scores = [scorer.scores(q[s]) for s in range(steps)]
+    scores = [scorer.select_scores(q[s]) for s in range(steps)]
     out = []
     for budget in budgets:
         sel = SelectionConfig(budget_tokens=budget, sink_blocks=sink_blocks, recent_blocks=recent_blocks)
@@ -119,7 +127,7 @@ def evaluate(
         recalls, oracles, errs, hits, picks = [], [], [], [], []
         for s in range(steps):
             bm = masses[s]
-            free = _free_topk(scores[s], nb, kb, sel)
+            free = _free_topk(scores[s][0], nb, kb, sel, scores[s][1], scorer.priority_share)
             picks.append(free)
             recalls.append(_recall(bm, free, nb, sel))
             oracles.append(_recall(bm, _free_topk(bm.sum(1), nb, kb, sel), nb, sel))

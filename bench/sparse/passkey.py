@@ -77,22 +77,32 @@ def answer(
     config: dict,
     block_size: int = 16,
     max_new: int = 7,
+    forced: list[int] | None = None,
+    all_logits: list[torch.Tensor] | None = None,
     **plugin_kwargs: Any,
 ) -> tuple[str, torch.Tensor, dict[str, float]]:
     """Greedy answer of ``method`` through the engine's hooks, the logits of the first
     answer token, and the plugin's statistics. The prompt's KV comes from ``cap`` (a dense
     prefill of all but its last token); the last prompt token runs as a decode step, so its
-    attention, and the first answer token, already go through the plugin."""
+    attention, and the first answer token, already go through the plugin. With ``forced``
+    (token ids), those tokens are fed instead of the greedy ones (teacher forcing: every
+    step sees the same prefix as the run that produced them); ``all_logits``, if given,
+    receives the logits of every answer position."""
     plugin = create(method, spec_for(model, block_size), config, **plugin_kwargs)
     nblocks = -(-(len(pk.ids) + max_new) // block_size) + 2
     eng = PagedEngine(model, plugin, num_blocks=nblocks, block_size=block_size)
     eng.add_prefilled("r", pk.ids[:-1], cap.k, cap.v, cap.q_prompt, cap.stride)
     first = eng.decode(["r"], [pk.ids[-1]])[0]
+    logits = [first]
     out = [int(first.argmax())]
-    for _ in range(max_new - 1):
-        out.append(int(eng.decode(["r"], [out[-1]])[0].argmax()))
+    for i in range(max_new - 1):
+        fed = forced[i] if forced is not None else out[-1]
+        logits.append(eng.decode(["r"], [fed])[0])
+        out.append(int(logits[-1].argmax()))
     eng.finish("r")
     plugin.close()
+    if all_logits is not None:
+        all_logits.extend(logits)
     return tok.decode(out), first, plugin.stats()
 
 

@@ -8,7 +8,10 @@ keys, values and the queries of the last tokens. Then, per method,
   least 10% of their (non-forced) attention on it;
 * the engine decodes the answer through the plugin's hooks (the last prompt token is the
   first decode step), and the first answer token's distribution is compared with dense
-  (KL divergence), as is the answer.
+  (``kl``, KL divergence), as is the answer; ``kl_answer`` is the mean KL over the answer's
+  positions with dense's answer fed back (teacher forcing);
+* scorers that use the prompt's queries get those of its last ``QUERY_WINDOW`` tokens, as
+  the plugin does; methods run at block size 16, and the ``-bs8`` rows at block size 8.
 """
 
 from __future__ import annotations
@@ -22,16 +25,22 @@ import torch
 from kvfabric.bench.report import BenchContext
 from kvfabric.bench.sparse.metrics import MethodSpec, block_mass, evaluate
 from kvfabric.bench.sparse.passkey import Passkey, answer, digits, kl_div, passkey_prompt, prefill
+from kvfabric.bench.sparse.synthetic import query_similarity
 
-#: (label, plugin name, scorer name, plugin options) measured on SmolLM2
+#: (label, plugin name, scorer name, plugin options, block size) measured on SmolLM2
 REAL_METHODS = (
-    ("oracle", "oracle", "oracle", {}),
-    ("gsa-r16", "gsa", "gsa", {"rank": 16}),
-    ("gsa-r16-qk", "gsa", "gsa", {"rank": 16, "basis": "keys+queries"}),
-    ("quest", "quest", "quest", {}),
-    ("meankey", "meankey", "meankey", {}),
-    ("hata", "hata", "hata", {}),
+    ("oracle", "oracle", "oracle", {}, 16),
+    ("gsa-r16", "gsa", "gsa", {"rank": 16}, 16),
+    ("gsa-r16-bound", "gsa", "gsa", {"rank": 16, "select": "bound"}, 16),
+    ("gsa-r16-qk", "gsa", "gsa", {"rank": 16, "basis": "keys+queries", "query_weight": 0.25}, 16),
+    ("quest", "quest", "quest", {}, 16),
+    ("meankey", "meankey", "meankey", {}, 16),
+    ("hata", "hata", "hata", {}, 16),
+    ("oracle-bs8", "oracle", "oracle", {}, 8),
+    ("gsa-r16-bs8", "gsa", "gsa", {"rank": 16}, 8),
+    ("quest-bs8", "quest", "quest", {}, 8),
 )
+QUERY_WINDOW = 256  # the plugin's default query_window
 
 
 def _say(msg: str) -> None:
@@ -71,22 +80,25 @@ def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> 
             k = cap.k.reshape(layers * hkv, t, d)
             v = cap.v.reshape(layers * hkv, t, d)
             pq = None
-            if cap.q_prompt is not None:  # (L, M, Hq, D) -> (L * Hkv, M * G, D)
-                m_ = cap.q_prompt.shape[1]
-                pq = (
-                    cap.q_prompt.reshape(layers, m_, hkv, g, d)
-                    .permute(0, 2, 1, 3, 4)
-                    .reshape(layers * hkv, -1, d)
-                )
+            if cap.q_prompt is not None:  # (L, M, Hq, D), every stride-th token -> (L * Hkv, m * G, D)
+                qp = cap.q_prompt[:, -(QUERY_WINDOW // cap.stride) :]
+                m_ = qp.shape[1]
+                pq = qp.reshape(layers, m_, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(layers * hkv, -1, d)
             needles = retrieval_needles(q, k, pk)
             p = torch.softmax(torch.matmul(q[-1], k.transpose(1, 2)) / d**0.5, dim=-1)
             top = torch.topk(p, max(1, int(0.02 * t)), -1).values.sum(-1)
             sink = block_mass(p, 16)[..., 0]
+            sim = (
+                query_similarity(q.transpose(0, 1).reshape(layers * hkv, -1, d), pq) if pq is not None else {}
+            )
             _say(
                 f"smollm2 {len(pk.ids)} tokens: top2pct_mass={float(top.median()):.3f} "
-                f"sink_mass={float(sink.median()):.3f}; {len(needles)} retrieval heads"
+                f"sink_mass={float(sink.median()):.3f}; {len(needles)} retrieval heads; "
+                + ", ".join(f"{k}={v:.3f}" for k, v in sim.items())
             )
-            dense_answer, dense_logits, _ = answer(llama, tok, pk, cap, "dense", {})
+            dense_all: list[torch.Tensor] = []
+            dense_answer, dense_logits, _ = answer(llama, tok, pk, cap, "dense", {}, all_logits=dense_all)
+            forced = [int(x.argmax()) for x in dense_all]
             base = {"case": "smollm2", "prompt_tokens": len(pk.ids), "passkey": pk.answer}
             yield {
                 **base,
@@ -104,13 +116,22 @@ def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> 
                 "passkey_ok": digits(dense_answer) == pk.answer,
                 "kl": 0.0,
             }
-            for label, plugin, scorer, opts in REAL_METHODS:
+            for label, plugin, scorer, opts, bs in REAL_METHODS:
                 (qual,) = evaluate(
-                    MethodSpec(label, scorer, opts), q, k, v, [budget], needles=needles, prompt_q=pq
+                    MethodSpec(label, scorer, opts),
+                    q,
+                    k,
+                    v,
+                    [budget],
+                    block_size=bs,
+                    needles=needles,
+                    prompt_q=pq,
                 )
-                got, logits, st = answer(
-                    llama, tok, pk, cap, plugin, {"budget_tokens": budget, "min_seq_len": 0, **opts}
-                )
+                config = {"budget_tokens": budget, "min_seq_len": 0, **opts}
+                got, logits, st = answer(llama, tok, pk, cap, plugin, config, block_size=bs)
+                tf: list[torch.Tensor] = []  # teacher-forced: every answer position, dense's prefix
+                answer(llama, tok, pk, cap, plugin, config, block_size=bs, forced=forced, all_logits=tf)
+                kl_answer = sum(kl_div(a, b) for a, b in zip(dense_all, tf)) / len(tf)
                 yield {
                     **base,
                     "method": label,
@@ -129,6 +150,9 @@ def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> 
                     "passkey_ok": digits(got) == pk.answer,
                     "same_as_dense": got == dense_answer,
                     "kl": round(kl_div(dense_logits, logits), 5),
+                    "kl_answer": round(kl_answer, 5),
+                    "block_size": bs,
+                    "summary_numbers": qual.summary_numbers,
                     "step_reuse": round(st.get("step_reuse", float("nan")), 3),
                 }
             yield {**base, **_offload_row(llama, tok, pk, cap, budget, dense_answer, dense_logits)}

@@ -7,9 +7,11 @@ oracle_recall, recall_vs_oracle, out_err, needle_hit, bytes_frac, speedup_vs_den
 * ``synthetic``: every method on the calibrated synthetic workload (its statistics are
   printed first), at several contexts and budgets; ``speedup_vs_dense`` is the timed
   decode-attention step of that method's scorer next to dense on the same tensors;
-* ``needles``: GSA's needle hit rate with 1 to 8 needles up to the largest context;
+* ``needles``: the needle hit rate of GSA's variants, Quest and the oracle with 1 to 8
+  needles of both kinds up to the largest context;
 * ``speed``: the GSA step's components (scoring, top-k, gather, attention) at 8K, 32K and
-  128K next to dense attention, with the scoring share;
+  128K next to dense attention, with the scoring share (median and quartiles) and the
+  machine's busy fraction while it was timed;
 * ``smollm2``: SmolLM2-135M-Instruct on passkey prompts: real captured attention scored
   like the synthetic case, and the decode loop through the hooks (passkey answer and
   next-token KL against dense). Skipped with a note when the model cannot be fetched.
@@ -31,16 +33,24 @@ from kvfabric.bench.sparse.metrics import MethodSpec, Quality, evaluate
 from kvfabric.bench.sparse.speed import time_steps
 from kvfabric.bench.sparse.synthetic import SyntheticConfig, generate, stats
 
+#: the prompt-query basis option (``basis="keys+queries"``) as measured here
+QK = {"basis": "keys+queries", "query_weight": 0.25}
+#: prompt tokens whose queries the scorers see (the plugin's ``query_window`` default)
+QUERY_WINDOW = 256
+
 METHODS = (
     MethodSpec("oracle", "oracle"),
-    MethodSpec("gsa-r16", "gsa", {"rank": 16}),
-    MethodSpec("gsa-r16-qk", "gsa", {"rank": 16, "basis": "keys+queries"}),
-    MethodSpec("gsa-r32", "gsa", {"rank": 32}),
+    MethodSpec("gsa-r16", "gsa", {"rank": 16}),  # the defaults: select="mixed", keys basis
+    MethodSpec("gsa-r16-bound", "gsa", {"rank": 16, "select": "bound"}),  # ranked by the bound
+    MethodSpec("gsa-r16-qk", "gsa", {"rank": 16, **QK}),
+    MethodSpec("gsa-r32-qk", "gsa", {"rank": 32, **QK}),
+    MethodSpec("gsa-r63-qk", "gsa", {"rank": 63, **QK}),  # 127 numbers: mean key's size
     MethodSpec("gsa-r64", "gsa", {"rank": 64}),
     MethodSpec("quest", "quest"),
     MethodSpec("meankey", "meankey"),
     MethodSpec("hata", "hata"),
 )
+NEEDLE_METHODS = ("oracle", "gsa-r16", "gsa-r16-bound", "gsa-r16-qk", "gsa-r32-qk", "quest")
 
 
 def _say(msg: str) -> None:
@@ -78,7 +88,8 @@ def _synthetic(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> It
         for t in time_steps(n, budgets, rounds=ctx.rounds):
             speed[(n, t.budget)] = t.speedup
         for m in METHODS:
-            for q in evaluate(m, w.q, w.k, w.v, budgets, needles=w.needles, prompt_q=w.prompt_q):
+            pq = w.recent_prompt_q(QUERY_WINDOW)
+            for q in evaluate(m, w.q, w.k, w.v, budgets, needles=w.needles, prompt_q=pq):
                 sp = speed[(n, q.budget)] if m.scorer == "gsa" and m.options == {"rank": 16} else None
                 yield _row(
                     "synthetic",
@@ -90,21 +101,26 @@ def _synthetic(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> It
 
 
 def _needles(ctx: BenchContext, contexts: list[int]) -> Iterator[dict[str, Any]]:
-    """GSA (keys basis and keys+queries basis) and Quest on 1, 4 and 8 needles, both kinds."""
-    methods = (METHODS[1], METHODS[2], MethodSpec("quest", "quest"))
+    """GSA's variants, Quest and the oracle on 1, 4 and 8 needles, both kinds (a needle the
+    oracle does not select at this budget carries too little attention to be found)."""
+    methods = [m for m in METHODS if m.label in NEEDLE_METHODS]
     for n in contexts:
         for kind in ("keys", "query"):
             for k in (1, 4, 8):
                 cfg = SyntheticConfig(context=n, heads_per_type=1, needles=k, seed=100 + k, needle_kind=kind)
                 w = generate(cfg)
                 for m in methods:
-                    (q,) = evaluate(m, w.q, w.k, w.v, [2048], needles=w.needles, prompt_q=w.prompt_q)
+                    pq = w.recent_prompt_q(QUERY_WINDOW)
+                    (q,) = evaluate(m, w.q, w.k, w.v, [2048], needles=w.needles, prompt_q=pq)
                     yield _row("needles", q, None, needles=k, needle_kind=kind)
 
 
 def _speed(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterator[dict[str, Any]]:
     for n in contexts:
-        for t in time_steps(n, budgets, rounds=ctx.rounds):
+        cpu0 = read_cpu_row()
+        timings = time_steps(n, budgets, rounds=max(ctx.rounds, 9))
+        busy = round(cpu_busy_fraction((cpu0, read_cpu_row())), 2)
+        for t in timings:
             yield {
                 "case": "speed",
                 "method": "gsa-r16",
@@ -112,6 +128,9 @@ def _speed(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterat
                 "budget": t.budget,
                 "speedup_vs_dense": round(t.speedup, 2),
                 "score_frac": round(t.score_frac, 3),
+                "score_frac_p25": round(t.score_frac_p25, 3),
+                "score_frac_p75": round(t.score_frac_p75, 3),
+                "cpu_busy": busy,
                 "dense_ms": round(t.dense_s * 1e3, 3),
                 "sparse_ms": round(t.sparse_s * 1e3, 3),
                 "score_ms": round(t.score_s * 1e3, 3),

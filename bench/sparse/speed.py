@@ -5,7 +5,9 @@ it as a free ``(Hkv, N, D)`` view: the best case for dense), float32, pre-touche
 sparse step is GSA's: scoring (query projection + one product with the summaries + group
 combination), top-k with the forced blocks, gather of the selected K and V blocks, and
 attention over them. Components and the whole step are timed separately, rounds
-interleaved with dense (ABAB), medians reported; the thread count is fixed by the caller.
+interleaved with dense (ABAB), medians reported (and the quartiles of the per-round scoring
+share); the thread count is fixed by the caller. The scorer is GSA's default (``mixed``
+selection: one product for the estimate and the bound, a softmax and a max).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class StepTiming:
     topk_s: float
     gather_s: float
     attend_s: float
+    score_frac_p25: float = float("nan")  # the scoring share of each round: quartiles
+    score_frac_p75: float = float("nan")
 
     @property
     def speedup(self) -> float:
@@ -60,9 +64,12 @@ def time_step(
     rank: int = 16,
     rounds: int = 5,
     seed: int = 0,
+    options: dict[str, Any] | None = None,
 ) -> StepTiming:
     """One (context, budget) timing (see ``time_steps``)."""
-    return time_steps(context, [budget], num_kv_heads, group, head_dim, block_size, rank, rounds, seed)[0]
+    return time_steps(
+        context, [budget], num_kv_heads, group, head_dim, block_size, rank, rounds, seed, options
+    )[0]
 
 
 def time_steps(
@@ -75,8 +82,10 @@ def time_steps(
     rank: int = 16,
     rounds: int = 5,
     seed: int = 0,
+    options: dict[str, Any] | None = None,
 ) -> list[StepTiming]:
-    """Timings of the GSA step at each budget, and of dense, on one set of tensors."""
+    """Timings of the GSA step at each budget, and of dense, on one set of tensors
+    (``options``: the GSA scorer's, its defaults when None)."""
     gen = torch.Generator().manual_seed(seed)
     nb = context // block_size
     shape = (num_kv_heads, nb, block_size, head_dim)
@@ -84,8 +93,16 @@ def time_steps(
     v_cache = torch.randn(shape, generator=gen)
     q = torch.randn((num_kv_heads, group, head_dim), generator=gen)
     kd, vd = k_cache.view(num_kv_heads, context, head_dim), v_cache.view(num_kv_heads, context, head_dim)
-    scorer = SvdMaxNormScorer(num_kv_heads, head_dim, block_size, rank=rank, basis_tokens=8192)
+    scorer = SvdMaxNormScorer(
+        num_kv_heads, head_dim, block_size, rank=rank, basis_tokens=8192, **(options or {})
+    )
     scorer.fit(kd)
+    share = scorer.priority_share
+
+    def select(k: int, sel: SelectionConfig) -> torch.Tensor:
+        ranking, priority = scorer.select_scores(q)
+        return select_blocks(ranking, nb, k, sel, priority, share)
+
     reps = max(1, int(2**17 // context))  # small contexts: several calls per timing
 
     def dense() -> torch.Tensor:
@@ -95,18 +112,18 @@ def time_steps(
     for budget in budgets:
         sel = SelectionConfig(budget_tokens=budget)
         k = sel.num_selected(context, block_size)
-        combined = scorer.scores(q)
-        table = select_blocks(combined, nb, k, sel)
+        combined, prio = scorer.select_scores(q)
+        table = select_blocks(combined, nb, k, sel, prio, share)
         ks, vs = gather_blocks(k_cache, table), gather_blocks(v_cache, table)
         fns: dict[str, Callable[[], Any]] = {
             "dense": dense,
             "sparse": lambda k=k, sel=sel: attend(
                 q,
-                gather_blocks(k_cache, t := select_blocks(scorer.scores(q), nb, k, sel)),
+                gather_blocks(k_cache, t := select(k, sel)),
                 gather_blocks(v_cache, t),
             ),
-            "score": lambda: scorer.scores(q),
-            "topk": lambda combined=combined, k=k, sel=sel: select_blocks(combined, nb, k, sel),
+            "score": lambda: scorer.select_scores(q),
+            "topk": lambda c=combined, p=prio, k=k, sel=sel: select_blocks(c, nb, k, sel, p, share),
             "gather": lambda table=table: (gather_blocks(k_cache, table), gather_blocks(v_cache, table)),
             "attend": lambda ks=ks, vs=vs: attend(q, ks, vs),
         }
@@ -117,6 +134,7 @@ def time_steps(
             for name, f in fns.items():
                 parts[name].append(_median_time(f, reps))
         med = {n: statistics.median(v) for n, v in parts.items()}
+        fracs = sorted(a / b for a, b in zip(parts["score"], parts["sparse"]))
         out.append(
             StepTiming(
                 context,
@@ -127,6 +145,8 @@ def time_steps(
                 med["topk"],
                 med["gather"],
                 med["attend"],
+                fracs[len(fracs) // 4],
+                fracs[(3 * len(fracs)) // 4],
             )
         )
     return out

@@ -61,6 +61,10 @@ class SyntheticConfig:
     drift: float = 0.02  # fraction of the query's variance replaced per step
     rope_base: float = 500000.0
     seed: int = 0
+    # prompt queries (what a prefill gives the scorer): offset and per-token fluctuation
+    # around the head's persistent query, calibrated on SmolLM2's captured queries (see stats)
+    prompt_offset: float = 1.9
+    prompt_noise: float = 0.4
     # "query": needles and distractors are moved along the head's mean query direction (a
     # direction keys need not vary along); "keys": along that direction's projection on the
     # keys' top principal directions (a needle key that is an ordinary key of the head,
@@ -81,8 +85,9 @@ class SyntheticConfig:
 @dataclass(frozen=True)
 class Workload:
     """``q (S, H, G, D)`` decode queries, ``k, v (H, N, D)``; needles as (head, first, last)
-    positions; ``prompt_q (H, M, D)``: queries of earlier (prompt) positions, grouped by KV
-    head, from the same distribution (what a prefill sees)."""
+    positions; ``prompt_q (H, M * G, D)``: queries of ``M`` prompt positions ``prompt_pos``
+    (ascending; half spread over the prompt, half in its last 256 tokens), grouped by KV head
+    with the ``G`` query heads of a position consecutive (what a prefill gives a scorer)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -91,6 +96,15 @@ class Workload:
     needles: tuple[tuple[int, int, int], ...]
     config: SyntheticConfig
     prompt_q: torch.Tensor
+    prompt_pos: torch.Tensor
+
+    def recent_prompt_q(self, window: int) -> torch.Tensor:
+        """``(H, m * G, D)``: the prompt queries of the last ``window`` positions (all when
+        ``window`` is 0)."""
+        keep = self.prompt_pos >= self.k.shape[1] - window if window else self.prompt_pos >= 0
+        g = self.config.group
+        h, _, d = self.prompt_q.shape
+        return self.prompt_q.reshape(h, -1, g, d)[:, keep].reshape(h, -1, d).contiguous()
 
 
 def _boost(mass: float, n: int, sigma: float) -> float:
@@ -133,25 +147,42 @@ def _base_keys(n: int, d: int, basis: torch.Tensor, gen: torch.Generator) -> tor
     return k
 
 
-def _queries(basis: torch.Tensor, g: int, steps: int, drift: float, gen: torch.Generator) -> torch.Tensor:
-    """``(G, S, D)`` pre-RoPE queries: mostly along the semantic directions (shared base,
-    per-head deviation, drift across steps), plus some energy everywhere."""
-    d, m = basis.shape
+def _sem(basis: torch.Tensor, gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Random vectors in the semantic directions (decaying weights)."""
+    m = basis.shape[1]
     w = torch.arange(1, m + 1, dtype=torch.float32) ** -0.5
+    return (torch.randn((*shape, m), generator=gen) * w) @ basis.t()
 
-    def sem(*shape: int) -> torch.Tensor:
-        return (torch.randn((*shape, m), generator=gen) * w) @ basis.t()
 
-    base = sem(1) + 0.05 * torch.randn((1, d), generator=gen)
-    dev = 0.4 * sem(g)
+def _queries(
+    basis: torch.Tensor, g: int, steps: int, drift: float, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, S, D)`` pre-RoPE decode queries: mostly along the semantic directions (shared
+    base, per-head deviation, drift across steps), plus some energy everywhere; and the
+    head's persistent part ``base + dev`` ``(G, D)``."""
+    d = basis.shape[0]
+    base = _sem(basis, gen, 1) + 0.05 * torch.randn((1, d), generator=gen)
+    dev = 0.4 * _sem(basis, gen, g)
     cur = torch.zeros((g, d))
     out = []
     for _ in range(steps):
         cur = math.sqrt(1 - drift) * cur + math.sqrt(drift) * (
-            sem(g) + 0.05 * torch.randn((g, d), generator=gen)
+            _sem(basis, gen, g) + 0.05 * torch.randn((g, d), generator=gen)
         )
         out.append(base + dev + cur)
-    return torch.stack(out, 1)
+    return torch.stack(out, 1), base + dev
+
+
+def _prompt_queries(
+    basis: torch.Tensor, persistent: torch.Tensor, m: int, offset: float, noise: float, gen: torch.Generator
+) -> torch.Tensor:
+    """``(M, G, D)`` pre-RoPE queries of ``m`` prompt positions: the head's persistent part,
+    a per-head offset shared by the whole prompt (prompt tokens do not ask what the answer
+    asks), and a per-token fluctuation, both in the semantic directions."""
+    g, d = persistent.shape
+    shift = offset * _sem(basis, gen, g)
+    tokens = noise * _sem(basis, gen, m, g) + 0.05 * torch.randn((m, g, d), generator=gen)
+    return persistent + shift + tokens
 
 
 def generate(cfg: SyntheticConfig) -> Workload:
@@ -161,15 +192,17 @@ def generate(cfg: SyntheticConfig) -> Workload:
     cos_k, sin_k = rope_tables(torch.arange(n), d, cfg.rope_base)
     cos_q, sin_q = rope_tables(torch.arange(n, n + s), d, cfg.rope_base)
     ks, qs, vs, pqs, needles = [], [], [], [], []
-    ppos = torch.linspace(0, n - 1, 64).long()
+    ppos = torch.cat([torch.linspace(0, n - 257, 64).long(), torch.arange(n - 256, n, 4)])
     cos_p, sin_p = rope_tables(ppos, d, cfg.rope_base)
     for h, ht in enumerate(types):
         sigma, sink_mass, recent_mass = _PROFILE[ht]
         basis = _semantic_basis(d, 24, gen)
         k = apply_rope(_base_keys(n, d, basis, gen), cos_k, sin_k)
-        q = apply_rope(_queries(basis, g, s, cfg.drift, gen), cos_q, sin_q).transpose(0, 1)  # (S, G, D)
+        q_pre, persistent = _queries(basis, g, s, cfg.drift, gen)
+        q = apply_rope(q_pre, cos_q, sin_q).transpose(0, 1)  # (S, G, D)
         pgen = torch.Generator().manual_seed(cfg.seed * 7919 + h)  # its own stream
-        pq = apply_rope(_queries(basis, g, 64, 0.5, pgen), cos_p, sin_p).reshape(-1, d)  # (G*64, D)
+        pq_pre = _prompt_queries(basis, persistent, len(ppos), cfg.prompt_offset, cfg.prompt_noise, pgen)
+        pq = apply_rope(pq_pre.transpose(0, 1), cos_p, sin_p).transpose(0, 1).reshape(-1, d)  # (M*G, D)
         # scale the queries so that ordinary logits have the head type's spread
         logits = torch.matmul(q[0], k[:: max(1, n // 4096)].t()) / math.sqrt(d)
         q_scale = sigma / logits.std().clamp(min=1e-6)
@@ -241,6 +274,7 @@ def generate(cfg: SyntheticConfig) -> Workload:
         needles=tuple(needles),
         config=cfg,
         prompt_q=torch.stack(pqs).contiguous(),
+        prompt_pos=ppos,
     )
 
 
@@ -255,10 +289,25 @@ def attention_stats(q: torch.Tensor, k: torch.Tensor, sink_tokens: int = 16) -> 
     }
 
 
-def stats(w: Workload) -> dict[str, float]:
-    """Median statistics (step 0) per head type and overall."""
+def query_similarity(decode_q: torch.Tensor, prompt_q: torch.Tensor) -> dict[str, float]:
+    """How much the prompt's queries tell about the decode queries, per KV head group:
+    ``q_cos_mean``, the median cosine of a decode query ``(H, S, D)`` with the mean of the
+    prompt queries ``(H, M, D)`` of its KV head, and ``q_cos_token``, the median cosine of a
+    decode query with one prompt query."""
+    a = torch.nn.functional.normalize(decode_q, dim=-1)
+    mean = torch.nn.functional.normalize(prompt_q.mean(1, keepdim=True), dim=-1)
+    tok = torch.matmul(a, torch.nn.functional.normalize(prompt_q, dim=-1).transpose(1, 2))
+    return {"q_cos_mean": float((a * mean).sum(-1).median()), "q_cos_token": float(tok.median())}
+
+
+def stats(w: Workload, window: int = 256) -> dict[str, float]:
+    """Median statistics (step 0) per head type and overall, and the similarity of the
+    decode queries with the prompt queries of the last ``window`` positions."""
     st = attention_stats(w.q[0], w.k)
-    out: dict[str, float] = {}
+    h, d = w.k.shape[0], w.k.shape[2]
+    out: dict[str, float] = query_similarity(
+        w.q.permute(1, 0, 2, 3).reshape(h, -1, d), w.recent_prompt_q(window)
+    )
     for name, val in st.items():
         out[name] = float(val.median())
         for ht in HeadType:
@@ -268,4 +317,12 @@ def stats(w: Workload) -> dict[str, float]:
     return out
 
 
-__all__ = ["HeadType", "SyntheticConfig", "Workload", "attention_stats", "generate", "stats"]
+__all__ = [
+    "HeadType",
+    "SyntheticConfig",
+    "Workload",
+    "attention_stats",
+    "generate",
+    "query_similarity",
+    "stats",
+]

@@ -26,7 +26,7 @@ def _block_max_true(q: torch.Tensor, keys: torch.Tensor, bs: int) -> torch.Tenso
 
 
 def _violations(scorer: SvdMaxNormScorer, q: torch.Tensor, keys: torch.Tensor) -> int:
-    bound = scorer.block_scores(q).double()
+    bound = scorer.bound(q).double()
     true = _block_max_true(q, keys, scorer.block_size)
     return int((bound < true).sum())
 

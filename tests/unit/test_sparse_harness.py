@@ -25,13 +25,21 @@ def test_synthetic_workload_shapes_needles_and_statistics(work):
     assert all(h == 1 and 0 < a <= b < 4096 for h, a, b in work.needles)
     st = stats(work)
     assert set(st) >= {"top2pct_mass", "sink_mass", "top2pct_mass_retrieval", "sink_mass_streaming"}
-    assert all(0.0 <= v <= 1.0 for v in st.values())
+    assert all(0.0 <= v <= 1.0 for k, v in st.items() if not k.startswith("q_cos"))
     # head types differ as designed: streaming heads sink more, diffuse heads concentrate less
     assert st["sink_mass_streaming"] > st["sink_mass_diffuse"]
     assert st["top2pct_mass_retrieval"] > st["top2pct_mass_diffuse"]
     again = generate(SyntheticConfig(context=4096, head_dim=64, heads_per_type=1, needles=3, seed=1))
     assert torch.equal(again.k, work.k) and again.needles == work.needles
-    assert work.prompt_q.shape == (3, 4 * 64, 64)
+    # prompt queries: 64 positions spread over the prompt and 64 in its last 256 tokens
+    assert work.prompt_q.shape == (3, 4 * 128, 64) and work.prompt_pos.shape == (128,)
+    assert bool((work.prompt_pos[1:] > work.prompt_pos[:-1]).all()) and int(work.prompt_pos[-1]) < 4096
+    recent = work.recent_prompt_q(256)
+    assert recent.shape == (3, 4 * 64, 64) and torch.equal(recent, work.prompt_q[:, -4 * 64 :])
+    assert torch.equal(work.recent_prompt_q(0), work.prompt_q)
+    # they share the head's persistent query direction with the decode queries (calibrated
+    # on SmolLM2: cosine with the recent prompt queries' mean ~0.7)
+    assert 0.4 < st["q_cos_mean"] < 0.95 and st["q_cos_token"] < st["q_cos_mean"]
     with pytest.raises(ValueError):
         SyntheticConfig(context=100)
     with pytest.raises(ValueError, match="needle_kind"):

@@ -95,3 +95,11 @@ def test_short_passkey_through_the_gsa_hooks_answers_like_dense(smol):
     assert sparse == dense
     assert st["sparse_layer_steps"] == 6 * model.cfg.num_layers
     assert kl_div(dense_logits, sparse_logits) < 0.05
+    # teacher forcing (the bench's kl_answer): fed dense's own tokens, dense gives the same
+    # logits at every answer position, and the plugin sees the same prefixes
+    dense_all: list[torch.Tensor] = []
+    answer(model, tok, pk, cap, "dense", {}, max_new=6, all_logits=dense_all)
+    forced = [int(x.argmax()) for x in dense_all]
+    again: list[torch.Tensor] = []
+    answer(model, tok, pk, cap, "dense", {}, max_new=6, forced=forced, all_logits=again)
+    assert len(again) == 6 and all(torch.allclose(a, b, atol=1e-4) for a, b in zip(dense_all, again))

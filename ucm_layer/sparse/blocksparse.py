@@ -1,7 +1,8 @@
 """Block-sparse decode attention behind the ``UcmSparseBase`` hooks (GSA and its baselines).
 
 ``BlockSparseAttention`` drives one block scorer per (request, layer): it fits the scorer
-on the prompt's keys at prefill, appends every later key (so the summaries follow the
+on the prompt's keys at prefill (and the queries of the prompt's last ``query_window``
+tokens, for scorers that use them), appends every later key (so the summaries follow the
 blocks as they fill), and, for each (request, layer) that the adaptive switch puts in
 ``SPARSE`` mode, replaces the request's block table in ``attention_begin`` with the
 selected blocks of each KV head (forced sink/recent blocks + top-k by score under the
@@ -35,7 +36,23 @@ from kvfabric.ucm_layer.sparse.base import (
 )
 from kvfabric.ucm_layer.sparse.gsa.policy import BlockSparseConfig, decide_modes
 from kvfabric.ucm_layer.sparse.scorer import BlockScorer, make_scorer
-from kvfabric.ucm_layer.sparse.selection import forced_blocks, lens_of
+from kvfabric.ucm_layer.sparse.selection import forced_blocks, lens_of, top_free
+
+
+def recent_queries(query: torch.Tensor, num_kv_heads: int, window: int) -> torch.Tensor:
+    """The prompt's queries ``(T, Hq, D)`` of its last ``window`` tokens (all for 0) as
+    ``(Hkv, m * G, D)``, the ``G`` query heads of a KV head side by side, position order
+    kept; tokens whose queries are all zero (not captured) are left out."""
+    _, hq, d = query.shape
+    q = query[-window:] if window else query
+    captured = q.reshape(q.shape[0], -1).abs().amax(dim=1) > 0
+    if not bool(captured.all()):
+        q = q[captured]
+    return (
+        q.reshape(q.shape[0], num_kv_heads, hq // num_kv_heads, d)
+        .permute(1, 0, 2, 3)
+        .reshape(num_kv_heads, -1, d)
+    )
 
 
 @dataclass
@@ -140,9 +157,7 @@ class BlockSparseAttention(UcmSparseBase):
                 self.model.block_size,
                 **self.cfg.scorer_options,
             )
-            hk, d = self.model.num_kv_heads, self.model.head_dim
-            queries = query.reshape(n_new, hk, -1, d).permute(1, 0, 2, 3).reshape(hk, -1, d)
-            scorer.fit(keys, queries)
+            scorer.fit(keys, recent_queries(query, self.model.num_kv_heads, self.cfg.query_window))
             ls = st.layers[layer] = LayerState(scorer)
         elif ls.scorer.num_tokens == start:
             ls.scorer.append(keys, start)
@@ -158,25 +173,32 @@ class BlockSparseAttention(UcmSparseBase):
         free = k - sink - recent
         if free <= 0:
             return torch.empty((self.model.num_kv_heads, 0), dtype=torch.int64, device=q.device)
-        mid = ls.scorer.scores(q)[:, sink : nb - recent]
-        idx = torch.topk(mid, free, dim=-1, sorted=False).indices + sink
+        ranking, priority = ls.scorer.select_scores(q)
+        mid = ranking[:, sink : nb - recent]
+        prio = None if priority is None else priority[:, sink : nb - recent]
+        idx = top_free(mid, free, self.cfg.selection, prio, ls.scorer.priority_share)
+        idx = torch.where(idx >= 0, idx + sink, idx)
         self._record_overlap(ls, idx, nb)
         self._counters["selections"] += 1.0
         return idx
 
     def _record_overlap(self, ls: LayerState, idx: torch.Tensor, nb: int) -> None:
         """Step-to-step reuse: the fraction of the new selection already in the last one."""
+        valid = idx >= 0  # "layer" allocation leaves unused entries at -1
+        idx = idx.clamp(min=0)
         if ls.free_mask is not None and idx.numel():
             prev = ls.free_mask
             if prev.shape[1] < nb:
                 prev = torch.nn.functional.pad(prev, (0, nb - prev.shape[1]))
-            self._overlap_sum = self._overlap_sum + prev.gather(1, idx).float().mean()
+            hit = (prev.gather(1, idx) & valid).sum() / valid.sum().clamp(min=1)
+            self._overlap_sum = self._overlap_sum + hit.float()
             self._overlap_n += 1.0
         mask = torch.zeros((idx.shape[0], nb), dtype=torch.bool, device=idx.device)
-        ls.free_mask = mask.scatter_(1, idx, True)
+        ls.free_mask = mask.scatter_(1, idx, valid)
 
     def selection(self, ls: LayerState, q: torch.Tensor, seq: int, step: int) -> torch.Tensor:
-        """The logical blocks ``(H, k)`` one KV head reads at ``step`` (forced + free)."""
+        """The logical blocks ``(H, k)`` one KV head reads at ``step`` (forced + free); with
+        ``allocation="layer"`` entries a head does not use are -1."""
         bs = self.model.block_size
         nb = -(-seq // bs)
         k = self.cfg.selection.num_selected(seq, bs)
@@ -222,7 +244,12 @@ class BlockSparseAttention(UcmSparseBase):
             self._counters["sparse_layer_steps"] += 1.0
             q = query[t1 - 1].reshape(hk, g, d)
             logical = self.selection(ls, q, seq, meta.step)
-            table, lens = self.place(st, layer, logical, seq, kv, attn, i)
+            if self.cfg.selection.allocation == "layer":  # unused entries: block 0, no tokens
+                used = logical >= 0
+                table, lens = self.place(st, layer, logical.clamp(min=0), seq, kv, attn, i)
+                lens = lens * used
+            else:
+                table, lens = self.place(st, layer, logical, seq, kv, attn, i)
             attn.replace(i, table, lens, int(logical.shape[1]) * self.model.block_size)
 
     def place(
@@ -289,4 +316,4 @@ class BlockSparseAttention(UcmSparseBase):
         return out
 
 
-__all__ = ["BlockSparseAttention", "LayerState", "RequestState"]
+__all__ = ["BlockSparseAttention", "LayerState", "RequestState", "recent_queries"]

@@ -84,10 +84,19 @@ class BlockScorer(abc.ABC):
             self._append(keys, start)
             self.num_tokens = start + int(keys.shape[1])
 
+    #: the share of a selection's free blocks taken first by ``select_scores``' priority
+    priority_share: float = 0.0
+
     def scores(self, q: torch.Tensor) -> torch.Tensor:
         """``(H, nb)`` combined block scores for ``q (H, G, D)``."""
         per_head = self.block_scores(q)
         return combine_group(per_head, self.combine, 1.0 / math.sqrt(self.head_dim))
+
+    def select_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(scores, priority)`` for ``q (H, G, D)``, both ``(H, nb)``: a selection takes
+        the ``priority_share`` of its free blocks that rank highest by ``priority`` first,
+        then the rest by ``scores``. ``priority`` is None when the scorer has none."""
+        return self.scores(q), None
 
     @abc.abstractmethod
     def _fit(self, keys: torch.Tensor) -> None: ...
@@ -119,16 +128,39 @@ class GrowingRows:
         return self.data
 
 
+class GrowingCols:
+    """A ``(H, width, capacity)`` tensor (one column per block) that doubles its capacity
+    as blocks are added: scoring multiplies ``(H, G, width)`` query weights with it, a
+    product that reads the columns contiguously."""
+
+    def __init__(self, h: int, width: int, like: torch.Tensor, capacity: int = 64) -> None:
+        self.data = torch.empty((h, width, max(capacity, 1)), dtype=like.dtype, device=like.device)
+
+    def ensure(self, nb: int) -> torch.Tensor:
+        cap = self.data.shape[2]
+        if nb > cap:
+            new = torch.empty(
+                (self.data.shape[0], self.data.shape[1], max(nb, 2 * cap)),
+                dtype=self.data.dtype,
+                device=self.data.device,
+            )
+            new[:, :, :cap] = self.data
+            self.data = new
+        return self.data
+
+
 class RowMaxScorer(BlockScorer):
-    """A scorer whose block summary is the element-wise max of per-key rows and whose score
-    is ``query_weights(q) . summary`` (GSA, Quest). Subclasses give ``key_rows`` and
-    ``query_weights``; rows are max-reductions, so a partial block updates in place."""
+    """A scorer whose block summary is the element-wise max of per-key rows, with an upper
+    bound ``query_weights(q) . summary`` on ``q.k`` over each block (GSA, Quest) and a
+    ranking score ``ranking_weights(q) . summary`` (the bound unless a subclass says else).
+    Subclasses give ``key_rows`` and ``query_weights``; rows are max-reductions, so a partial
+    block updates in place."""
 
     _FIT_CHUNK = 16384  # tokens summarised per pass at prefill (bounds temporary memory)
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
-        self._rows: GrowingRows | None = None
+        self._cols: GrowingCols | None = None
 
     @property
     def numbers_per_block(self) -> float:
@@ -144,43 +176,72 @@ class RowMaxScorer(BlockScorer):
 
     @abc.abstractmethod
     def query_weights(self, q: torch.Tensor) -> torch.Tensor:
-        """``(H, G, row_width)`` weights of queries ``(H, G, D)``."""
+        """``(H, G, row_width)`` weights of queries ``(H, G, D)`` that make the bound."""
+
+    def ranking_weights(self, q: torch.Tensor) -> torch.Tensor:
+        """``(H, G, row_width)`` weights whose product with the summaries ranks blocks."""
+        return self.query_weights(q)
+
+    def _columns(self) -> torch.Tensor:
+        """``(H, row_width, nb)``: the summaries, one column per block (a view)."""
+        if self._cols is None:
+            raise ValueError(f"{self.name}: no summaries yet, call fit() first")
+        return self._cols.data[:, :, : self.num_blocks]
 
     @property
     def summaries(self) -> torch.Tensor:
         """``(H, nb, row_width)`` (a view; do not keep it across appends)."""
-        if self._rows is None:
-            raise ValueError(f"{self.name}: no summaries yet, call fit() first")
-        return self._rows.data[:, : self.num_blocks]
+        return self._columns().transpose(1, 2)
 
     def _fit(self, keys: torch.Tensor) -> None:
         h, n, _ = keys.shape
         bs = self.block_size
         nb = -(-n // bs)
-        self._rows = GrowingRows(h, self.row_width, keys, capacity=max(64, 2 * nb))
-        out = self._rows.ensure(nb)
+        self._cols = GrowingCols(h, self.row_width, keys, capacity=max(64, 2 * nb))
+        out = self._cols.ensure(nb)
         step = max(bs, self._FIT_CHUNK - self._FIT_CHUNK % bs)
         for s in range(0, n, step):
             blocks = edge_block_view(self.key_rows(keys[:, s : s + step]), bs).amax(dim=2)
-            out[:, s // bs : s // bs + blocks.shape[1]] = blocks
+            out[:, :, s // bs : s // bs + blocks.shape[1]] = blocks.transpose(1, 2)
 
     def _append(self, keys: torch.Tensor, start: int) -> None:
-        if self._rows is None:
+        if self._cols is None:
             raise ValueError(f"{self.name}: append() before fit()")
         n = keys.shape[1]
         rows = self.key_rows(keys)
         bs = self.block_size
         b0, b1 = start // bs, (start + n - 1) // bs
-        out = self._rows.ensure(b1 + 1)
+        out = self._cols.ensure(b1 + 1)
         idx = ((torch.arange(n, device=keys.device) + start) // bs - b0).view(1, n, 1).expand_as(rows)
         fresh = rows.new_full((rows.shape[0], b1 - b0 + 1, rows.shape[2]), float("-inf"))
         fresh.scatter_reduce_(1, idx, rows, reduce="amax", include_self=True)
         if start % bs:  # the first block already holds keys: merge
-            fresh[:, 0] = torch.maximum(fresh[:, 0], out[:, b0])
-        out[:, b0 : b1 + 1] = fresh
+            fresh[:, 0] = torch.maximum(fresh[:, 0], out[:, :, b0])
+        out[:, :, b0 : b1 + 1] = fresh.transpose(1, 2)
+
+    def bound(self, q: torch.Tensor) -> torch.Tensor:
+        """``(H, G, nb)``: an upper bound on ``q.k`` over the keys of each block."""
+        return torch.matmul(self.query_weights(q), self._columns())
 
     def block_scores(self, q: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(self.query_weights(q), self.summaries.transpose(1, 2))
+        return torch.matmul(self.ranking_weights(q), self._columns())
+
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        if self.combine != "softmax":
+            return super().scores(q)
+        # the logit scale folded into the (small) weights: one product, one softmax
+        w = self.ranking_weights(q) * (1.0 / math.sqrt(self.head_dim))
+        return torch.softmax(torch.matmul(w, self._columns()), dim=-1).sum(dim=1)
+
+    def select_scores(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """With a ``priority_share``, the priority is the bound for the group's mean query
+        (one more row in the same product; a per-head order needs no normalisation)."""
+        if not self.priority_share or self.combine != "softmax":
+            return super().select_scores(q)
+        g = q.shape[1]
+        w = torch.cat([self.ranking_weights(q), self.query_weights(q.mean(dim=1, keepdim=True))], dim=1)
+        s = torch.matmul(w * (1.0 / math.sqrt(self.head_dim)), self._columns())
+        return torch.softmax(s[:, :g], dim=-1).sum(dim=1), s[:, g]
 
 
 def edge_block_view(rows: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -229,6 +290,7 @@ def make_scorer(name: str, num_kv_heads: int, head_dim: int, block_size: int, **
 __all__ = [
     "SCORERS",
     "BlockScorer",
+    "GrowingCols",
     "GrowingRows",
     "RowMaxScorer",
     "block_view",

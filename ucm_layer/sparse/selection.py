@@ -23,6 +23,11 @@ class SelectionConfig:
     budget_fraction: float | None = None
     sink_blocks: int = 1
     recent_blocks: int = 2
+    # "head": every KV head reads the budget; "layer": the KV heads of a layer share
+    # num_kv_heads x the budget, the free blocks going where the scores put the most mass,
+    # a head reading at most head_cap x its even share of free blocks
+    allocation: str = "head"
+    head_cap: float = 2.0
 
     def __post_init__(self) -> None:
         if (self.budget_tokens is None) == (self.budget_fraction is None):
@@ -39,6 +44,14 @@ class SelectionConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.allocation not in ("head", "layer"):
+            raise ValueError(f"allocation must be 'head' or 'layer', got {self.allocation!r}")
+        if (
+            isinstance(self.head_cap, bool)
+            or not isinstance(self.head_cap, (int, float))
+            or self.head_cap < 1
+        ):
+            raise ValueError(f"head_cap must be a number >= 1, got {self.head_cap!r}")
 
     def budget_for(self, seq_len: int) -> int:
         if self.budget_tokens is not None:
@@ -75,9 +88,17 @@ def forced_blocks(nb: int, cfg: SelectionConfig) -> tuple[int, int]:
     return sink, recent
 
 
-def select_blocks(combined: torch.Tensor, nb: int, k: int, cfg: SelectionConfig) -> torch.Tensor:
+def select_blocks(
+    combined: torch.Tensor,
+    nb: int,
+    k: int,
+    cfg: SelectionConfig,
+    priority: torch.Tensor | None = None,
+    share: float = 0.0,
+) -> torch.Tensor:
     """Indices ``(H, k)`` (int64) of the blocks to read: forced sink blocks, forced recent
-    blocks, then the ``k - forced`` best of ``combined[:, :nb]`` in between (by score)."""
+    blocks, then the ``k - forced`` best of ``combined[:, :nb]`` in between (by score; a
+    ``share`` of them by ``priority`` first, see ``top_free``). Per-head allocation."""
     h = combined.shape[0]
     dev = combined.device
     sink, recent = forced_blocks(nb, cfg)
@@ -87,9 +108,38 @@ def select_blocks(combined: torch.Tensor, nb: int, k: int, cfg: SelectionConfig)
     parts = [torch.arange(sink, device=dev).expand(h, sink)]
     if free > 0:
         mid = combined[:, sink : nb - recent]
-        parts.append(torch.topk(mid, free, dim=-1, sorted=False).indices + sink)
+        prio = None if priority is None else priority[:, sink : nb - recent]
+        head = SelectionConfig(budget_tokens=1, sink_blocks=0, recent_blocks=0)
+        parts.append(top_free(mid, free, head, prio, share) + sink)
     parts.append(torch.arange(nb - recent, nb, device=dev).expand(h, recent))
     return torch.cat(parts, dim=1)
+
+
+def top_free(
+    mid: torch.Tensor,
+    free: int,
+    cfg: SelectionConfig,
+    priority: torch.Tensor | None = None,
+    share: float = 0.0,
+) -> torch.Tensor:
+    """The free blocks ``(H, c)`` (indices into ``mid (H, M)``) for ``free`` blocks per KV
+    head: the per-head top ``free`` (``allocation="head"``, ``c = free``), or the top
+    ``H * free`` of the whole layer with at most ``c = min(M, ceil(head_cap * free))`` per
+    head (``"layer"``; entries a head does not use are -1). With ``priority (H, M)`` and a
+    ``share``, each head's ``round(share * free)`` best blocks by ``priority`` are taken
+    first, the rest by ``mid``."""
+    h, m = mid.shape
+    first = min(free, round(share * free)) if priority is not None else 0
+    if first > 0:
+        top = torch.topk(priority, first, dim=-1, sorted=False).indices
+        mid = mid.scatter(1, top, float("inf"))
+    if cfg.allocation == "head" or h == 1:
+        return torch.topk(mid, free, dim=-1, sorted=False).indices
+    cap = min(m, math.ceil(cfg.head_cap * free))
+    vals, idx = torch.topk(mid, cap, dim=-1, sorted=False)
+    chosen = torch.topk(vals.reshape(-1), h * free, sorted=False).indices
+    keep = torch.zeros(h * cap, dtype=torch.bool, device=mid.device).scatter_(0, chosen, True)
+    return torch.where(keep.view(h, cap), idx, torch.full_like(idx, -1))
 
 
 def lens_of(indices: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
@@ -100,4 +150,4 @@ def lens_of(indices: torch.Tensor, seq_len: int, block_size: int) -> torch.Tenso
     return torch.where(indices == nb - 1, torch.full_like(indices, tail), full)
 
 
-__all__ = ["SelectionConfig", "combine_group", "forced_blocks", "lens_of", "select_blocks"]
+__all__ = ["SelectionConfig", "combine_group", "forced_blocks", "lens_of", "select_blocks", "top_free"]

@@ -33,7 +33,18 @@ class GSA(BlockSparseAttention):
 
     name = "gsa"
     scorer_name = "gsa"
-    scorer_keys = ("rank", "margin", "basis_tokens", "residual_groups", "basis")
+    scorer_keys = (
+        "rank",
+        "margin",
+        "basis_tokens",
+        "residual_groups",
+        "basis",
+        "query_weight",
+        "select",
+        "bound_share",
+        "spread",
+        "residual",
+    )
 
     def __init__(
         self,
@@ -54,9 +65,11 @@ class GSA(BlockSparseAttention):
         self._wrapped: dict[int, Any] = {}
         if not self.offload:
             return
+        sel = self.cfg.selection
+        if sel.allocation != "head":
+            raise ValueError("offload needs allocation='head' (device slots are sized per KV head)")
         if store is None or platform is None:
             raise ValueError("offload needs a store and the platform that knows the KV cache memory")
-        sel = self.cfg.selection
         if sel.budget_tokens is None:
             raise ValueError("offload needs an absolute budget_tokens (device slots are sized from it)")
         if self.cfg.dense_layers:

@@ -28,8 +28,16 @@ class BlockSparseConfig:
     dense_layers: tuple[int, ...] = ()
     scorer_options: Mapping[str, Any] = field(default_factory=dict)
     select_ahead: bool = False  # select for step t+1 at step t (needed to prefetch; 1 step stale)
+    # scorers that use the prompt's queries get those of its last query_window tokens (0: all)
+    query_window: int = 256
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.query_window, bool)
+            or not isinstance(self.query_window, int)
+            or self.query_window < 0
+        ):
+            raise ValueError(f"query_window must be an int >= 0, got {self.query_window!r}")
         for name in ("reuse_steps", "min_long_requests"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

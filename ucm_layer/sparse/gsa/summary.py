@@ -18,6 +18,21 @@ bounded separately (Cauchy-Schwarz for the residual); the margins add at least
 one matrix product ``[M, -m, R] . [p+, p-, |q_res|]``, so scoring reads ``2r + 1`` numbers
 per block (Quest reads ``2D``). Rows are max-reductions, so a block is updated in place as
 its keys arrive during decode (``RowMaxScorer``).
+
+Ranking. The bound is the summary's guarantee (``bound()``), but it is loose as a ranking:
+the box ``[m, M]`` is reached only when one key holds every coordinate's extreme, and the
+residual term charges every block the full ``|q_res| R``. With ``select="estimate"`` blocks
+are ranked by the same summary read with other weights (one matrix product, no extra
+numbers): the box centre ``c = (M + m) / 2``, a fraction ``spread`` of the box half-width
+``w = (M - m) / 2`` and a fraction ``residual`` of the residual term:
+
+    estimate = p.c + spread * |p|.w + residual * |q_res| R
+             = ((p + spread |p|) / 2).M + ((spread |p| - p) / 2).(-m) + residual |q_res|.R
+
+``spread = residual = 1`` is the bound itself. ``select="mixed"`` (the default) takes a
+``bound_share`` of each selection's free blocks by the bound first (single-token spikes,
+which the estimate's fractions can rank too low), the rest by the estimate; ``"bound"``
+ranks by the bound alone. The bound stays what ``bound()`` returns in every mode.
 """
 
 from __future__ import annotations
@@ -41,19 +56,25 @@ def _gram(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
 
 
 def fit_basis(
-    keys: torch.Tensor, rank: int, max_tokens: int = 65536, queries: torch.Tensor | None = None
+    keys: torch.Tensor,
+    rank: int,
+    max_tokens: int = 65536,
+    queries: torch.Tensor | None = None,
+    query_weight: float = 0.5,
 ) -> torch.Tensor:
     """``(H, D, rank)`` orthonormal bases: the top right singular vectors of each head's
     keys ``(H, N, D)`` (eigenvectors of ``K^T K`` in float64, largest first; ``rank = D``
     gives the whole orthonormal basis). Beyond ``max_tokens`` keys, an evenly strided
     sample of them is used. With ``queries (H, M, D)``, the basis is fitted to keys and
-    queries together, each set normalised to unit total energy (so that the directions the
+    queries together, each set normalised to unit total energy and the queries weighted
+    ``query_weight`` against ``1 - query_weight`` for the keys (so that the directions the
     queries look along are in the basis too)."""
     gram = _gram(keys, max_tokens)
-    if queries is not None:
+    if queries is not None and queries.shape[1]:
         gq = _gram(queries, max_tokens)
         gram = gram / gram.diagonal(dim1=1, dim2=2).sum(-1).clamp(min=1e-30).view(-1, 1, 1)
-        gram = gram + gq / gq.diagonal(dim1=1, dim2=2).sum(-1).clamp(min=1e-30).view(-1, 1, 1)
+        gq = gq / gq.diagonal(dim1=1, dim2=2).sum(-1).clamp(min=1e-30).view(-1, 1, 1)
+        gram = gram * (1.0 - query_weight) + gq * query_weight
     _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
     q, _ = torch.linalg.qr(vecs[:, :, -rank:].flip(-1))  # re-orthonormalise before the cast
     return q.to(keys.dtype).contiguous()
@@ -75,6 +96,11 @@ class SvdMaxNormScorer(RowMaxScorer):
         basis_tokens: int = 65536,
         residual_groups: int = 1,
         basis: str = "keys",
+        select: str = "mixed",
+        spread: float = 0.5,
+        residual: float = 0.25,
+        query_weight: float = 0.5,
+        bound_share: float = 0.5,
     ) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= head_dim:
@@ -94,6 +120,22 @@ class SvdMaxNormScorer(RowMaxScorer):
             )
         if basis not in ("keys", "keys+queries"):
             raise ValueError(f"basis must be 'keys' or 'keys+queries', got {basis!r}")
+        if select not in ("bound", "estimate", "mixed"):
+            raise ValueError(f"select must be 'bound', 'estimate' or 'mixed', got {select!r}")
+        if (
+            isinstance(bound_share, bool)
+            or not isinstance(bound_share, (int, float))
+            or not 0 < bound_share < 1
+        ):
+            raise ValueError(f"bound_share must be a number in (0, 1), got {bound_share!r}")
+        self.priority_share = float(bound_share) if select == "mixed" else 0.0
+        for name, v in (("spread", spread), ("residual", residual), ("query_weight", query_weight)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+        self.select = select
+        self.query_weight = float(query_weight)
+        self.spread = float(spread)
+        self.residual = float(residual)
         self.basis_source = basis
         self.groups = residual_groups
         self.complement: torch.Tensor | None = None  # (H, D, D - r) when groups > 1
@@ -117,9 +159,9 @@ class SvdMaxNormScorer(RowMaxScorer):
         if self.basis_source == "keys+queries" and queries is None:
             raise ValueError("basis='keys+queries' needs the prompt's queries: fit(keys, queries)")
         if self.groups == 1:
-            self.basis = fit_basis(keys, self.rank, self.basis_tokens, queries)
+            self.basis = fit_basis(keys, self.rank, self.basis_tokens, queries, self.query_weight)
         else:
-            full = fit_basis(keys, self.head_dim, self.basis_tokens, queries)
+            full = fit_basis(keys, self.head_dim, self.basis_tokens, queries, self.query_weight)
             self.basis = full[:, :, : self.rank].contiguous()
             self.complement = full[:, :, self.rank :].contiguous()
             rest = self.head_dim - self.rank
@@ -142,9 +184,20 @@ class SvdMaxNormScorer(RowMaxScorer):
         return torch.cat([p + tau, tau - p, self._residual_norms(keys, p) + tau], dim=-1)
 
     def query_weights(self, q: torch.Tensor) -> torch.Tensor:
-        """``(H, G, 2r + groups)``: ``[p+, p-, |q_res| per group]`` for ``q (H, G, D)``."""
+        """``(H, G, 2r + groups)``: ``[p+, p-, |q_res| per group]`` for ``q (H, G, D)`` (the bound)."""
         p = torch.matmul(q, self._basis())
         return torch.cat([p.clamp(min=0), (-p).clamp(min=0), self._residual_norms(q, p)], dim=-1)
+
+    def ranking_weights(self, q: torch.Tensor) -> torch.Tensor:
+        """The bound's weights, or with ``select="estimate"`` those of the estimate (see the
+        module docstring)."""
+        if self.select == "bound":
+            return self.query_weights(q)
+        # "estimate", and "mixed" (the estimate ranks, the bound picks bound_share first)
+        p = torch.matmul(q, self._basis())
+        a = p.abs() * self.spread
+        res = self._residual_norms(q, p) * self.residual
+        return torch.cat([(a + p) * 0.5, (a - p) * 0.5, res], dim=-1)
 
 
 __all__ = ["SvdMaxNormScorer", "fit_basis"]
