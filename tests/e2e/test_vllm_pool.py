@@ -63,13 +63,18 @@ def test_two_engine_processes_share_one_pool_daemon(tiny_model, tmp_path):
     daemon = Daemon(tmp_path, name="e2e", dram="128MiB").start()
     try:
         prompt = _prompt(12)
-        out = subprocess.run([sys.executable, "-c", CHILD, tiny_model, daemon.socket, json.dumps(prompt)],
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, tiny_model, daemon.socket, json.dumps(prompt)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("KVF-RESULT ")]
         assert out.returncode == 0 and lines, out.stderr[-3000:]
         child = json.loads(lines[-1].split(" ", 1)[1])["tokens"]
-        eng = make_engine(tiny_model, kvfabric_transfer_config("pool", pool_address=daemon.socket),
-                          kv_bytes=64 << 20)
+        eng = make_engine(
+            tiny_model, kvfabric_transfer_config("pool", pool_address=daemon.socket), kv_bytes=64 << 20
+        )
         try:
             mine = eng.generate([prompt], 12)
             assert mine == child
@@ -82,8 +87,9 @@ def test_two_engine_processes_share_one_pool_daemon(tiny_model, tmp_path):
 
 def test_pool_daemon_killed_between_runs_recomputes_with_one_warning(tiny_model, tmp_path, caplog):
     daemon = Daemon(tmp_path, name="e2ekill", dram="128MiB").start()
-    eng = make_engine(tiny_model, kvfabric_transfer_config("pool", pool_address=daemon.socket),
-                      kv_bytes=64 << 20)
+    eng = make_engine(
+        tiny_model, kvfabric_transfer_config("pool", pool_address=daemon.socket), kv_bytes=64 << 20
+    )
     try:
         prompt = _prompt(13)
         ref = eng.generate([prompt], 12)

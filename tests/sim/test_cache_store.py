@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvf_testing import segments
-from stores import LAYOUT, Blocks, block_bytes, random_ids
+from stores import LAYOUT, dump_blocks, load_checked, random_ids
 
 from kvfabric.errors import OutOfSpace
 from kvfabric.platform.sim import SimPlatform
@@ -28,29 +28,15 @@ def cache(plat, slots, **kw):
     return CacheStore(CacheConfig(capacity=slots * SLOT, **kw), platform=plat, layout=LAYOUT)
 
 
-def dump(store, plat, ids):
-    b = Blocks(plat, LAYOUT, len(ids))
-    b.write(block_bytes(ids, LAYOUT.shard_bytes))
-    return store.wait(store.dump(ids, 0, b.addrs))
-
-
-def load(store, plat, ids):
-    b = Blocks(plat, LAYOUT, len(ids))
-    st = store.wait(store.load(ids, 0, b.addrs))
-    ok = st == OK
-    assert np.array_equal(b.read()[ok], block_bytes(ids[ok], LAYOUT.shard_bytes))
-    return st
-
-
 def test_lru_replacement_keeps_recently_used_blocks(plat):
     c = cache(plat, 4)
     ids = random_ids(6, 1)
     for i in range(4):  # one call each: distinct recency
-        assert (dump(c, plat, ids[i : i + 1]) == OK).all()
-    assert (load(c, plat, ids[[0]]) == OK).all()  # block 0 is now the most recently used
-    assert (dump(c, plat, ids[4:5]) == OK).all()  # evicts block 1, the least recently used
+        assert (dump_blocks(c, plat, ids[i : i + 1]) == OK).all()
+    assert (load_checked(c, plat, ids[[0]]) == OK).all()  # block 0 is now the most recently used
+    assert (dump_blocks(c, plat, ids[4:5]) == OK).all()  # evicts block 1, the least recently used
     assert c.lookup(ids[:5]).tolist() == [True, False, True, True, True]
-    assert (dump(c, plat, ids[5:6]) == OK).all()  # then block 2
+    assert (dump_blocks(c, plat, ids[5:6]) == OK).all()  # then block 2
     assert c.lookup(ids).tolist() == [True, False, False, True, True, True]
     assert c.stats()["evictions"] == 2
     c.close()
@@ -59,13 +45,13 @@ def test_lru_replacement_keeps_recently_used_blocks(plat):
 def test_a_slot_in_use_is_never_evicted(plat):
     c = cache(plat, 4)
     ids = random_ids(5, 2)
-    assert (dump(c, plat, ids[:4]) == OK).all()
+    assert (dump_blocks(c, plat, ids[:4]) == OK).all()
     held = c.acquire(ids[:4], 0, claim=False)  # a reader holds all four slots
     assert (held.kinds == Claim.HIT).all() and c.stats()["slots_pinned"] == 4
-    assert (dump(c, plat, ids[4:]) == FAILED).all()  # no slot can be taken
+    assert (dump_blocks(c, plat, ids[4:]) == FAILED).all()  # no slot can be taken
     assert c.lookup(ids[:4]).all()
     c.table.release(held.slots)
-    assert (dump(c, plat, ids[4:]) == OK).all()
+    assert (dump_blocks(c, plat, ids[4:]) == OK).all()
     assert c.lookup(ids).sum() == 4
     c.close()
 
@@ -108,10 +94,10 @@ def test_key_collision_is_a_miss_never_wrong_bytes(plat):
         w0 = w[0, 0] ^ (w[0, 1] * _MIX_HI) ^ (w1 * _MIX_HI)
     b = np.array([[w0, w1]], np.uint64).view(np.uint8).reshape(1, 16)
     assert keys_of(a, 0)[0] == keys_of(b, 0)[0] and not np.array_equal(a, b)
-    assert (dump(c, plat, a) == OK).all()
+    assert (dump_blocks(c, plat, a) == OK).all()
     assert not c.lookup(b).any()
-    assert (dump(c, plat, b) == FAILED).all()  # uncacheable while a holds the key
-    assert (load(c, plat, b) == MISSING).all() and (load(c, plat, a) == OK).all()
+    assert (dump_blocks(c, plat, b) == FAILED).all()  # uncacheable while a holds the key
+    assert (load_checked(c, plat, b) == MISSING).all() and (load_checked(c, plat, a) == OK).all()
     c.close()
 
 
@@ -133,6 +119,6 @@ def test_shared_cache_lives_in_shared_memory_and_goes_with_close(plat, isolated_
     c = cache(plat, 16, shared=True, prefault=True)
     assert c.buffer.shareable and len(segments(isolated_shm)) == len(before) + 1
     ids = random_ids(4, 6)
-    assert (dump(c, plat, ids) == OK).all() and (load(c, plat, ids) == OK).all()
+    assert (dump_blocks(c, plat, ids) == OK).all() and (load_checked(c, plat, ids) == OK).all()
     c.close()
     assert segments(isolated_shm) == before

@@ -8,7 +8,17 @@ import time
 
 import numpy as np
 import pytest
-from stores import LAYOUT, Blocks, FullDiskIO, StallingIO, block_bytes, build_store, random_ids
+from stores import (
+    LAYOUT,
+    Blocks,
+    FullDiskIO,
+    StallingIO,
+    block_bytes,
+    build_store,
+    dump_blocks,
+    load_checked,
+    random_ids,
+)
 
 from kvfabric.platform.sim import SimPlatform
 from kvfabric.ucm_layer.store.base import BlockStatus
@@ -24,20 +34,6 @@ def plat():
     p.close()
 
 
-def dump(store, plat, ids):
-    b = Blocks(plat, LAYOUT, len(ids))
-    b.write(block_bytes(ids, LAYOUT.shard_bytes))
-    return store.wait(store.dump(ids, 0, b.addrs))
-
-
-def load(store, plat, ids):
-    b = Blocks(plat, LAYOUT, len(ids))
-    st = store.wait(store.load(ids, 0, b.addrs))
-    ok = st == OK
-    assert np.array_equal(b.read()[ok], block_bytes(ids[ok], LAYOUT.shard_bytes))
-    return st
-
-
 def wait_until(cond, what, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -48,15 +44,15 @@ def wait_until(cond, what, timeout=30.0):
 def test_misses_flow_down_hits_never_do(tmp_path, plat):
     ids = random_ids(N, 1)
     with build_store("posix", tmp_path, plat) as lower_only:
-        assert (dump(lower_only, plat, ids) == OK).all()
+        assert (dump_blocks(lower_only, plat, ids) == OK).all()
     p = build_store("cache|posix", tmp_path, plat)  # cold cache over a warm posix store
     assert p.lookup(ids).all() and not p.upper.lookup(ids).any()
-    assert (load(p, plat, ids[:8]) == OK).all()
+    assert (load_checked(p, plat, ids[:8]) == OK).all()
     s = p.stats()
     assert s["posix.load_ok"] == 8 and s["cache.slots_ready"] == 8
-    assert (load(p, plat, ids) == OK).all()  # 8 hits, 4 misses go down
+    assert (load_checked(p, plat, ids) == OK).all()  # 8 hits, 4 misses go down
     assert p.stats()["posix.load_ok"] == 12
-    assert (load(p, plat, ids) == OK).all()
+    assert (load_checked(p, plat, ids) == OK).all()
     assert p.stats()["posix.load_ok"] == 12
     p.close()
 
@@ -64,14 +60,14 @@ def test_misses_flow_down_hits_never_do(tmp_path, plat):
 def test_concurrent_loads_fill_each_block_once(tmp_path, plat):
     ids = random_ids(N, 2)
     with build_store("posix", tmp_path, plat) as lower_only:
-        assert (dump(lower_only, plat, ids) == OK).all()
+        assert (dump_blocks(lower_only, plat, ids) == OK).all()
     p = build_store("cache|posix", tmp_path, plat, **{"pipeline.workers": 4})
     results = [None] * 4
     barrier = threading.Barrier(4)
 
     def run(k):
         barrier.wait()
-        results[k] = load(p, plat, ids)
+        results[k] = load_checked(p, plat, ids)
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
     for t in threads:
@@ -86,9 +82,9 @@ def test_concurrent_loads_fill_each_block_once(tmp_path, plat):
 def test_lookup_prefix_combines_the_tiers(tmp_path, plat):
     ids = random_ids(6, 3)
     with build_store("posix", tmp_path, plat) as lower_only:
-        assert (dump(lower_only, plat, ids[[0, 2, 3]]) == OK).all()
+        assert (dump_blocks(lower_only, plat, ids[[0, 2, 3]]) == OK).all()
     p = build_store("cache|posix", tmp_path, plat)
-    assert (dump(p.upper, plat, ids[[1, 4]]) == OK).all()  # in the cache only
+    assert (dump_blocks(p.upper, plat, ids[[1, 4]]) == OK).all()  # in the cache only
     assert p.lookup(ids).tolist() == [True, True, True, True, True, False]
     assert p.lookup_prefix(ids) == 5
     assert p.lookup_prefix(ids[1:]) == 4
@@ -100,13 +96,13 @@ def test_write_behind_is_visible_only_once_the_lowest_tier_has_it(tmp_path, plat
     stall = StallingIO(str(tmp_path / "stalled"))
     p.lower.io = stall
     ids = random_ids(4, 4)
-    st = dump(p, plat, ids)  # returns while the lower store is stuck: buffers are free
+    st = dump_blocks(p, plat, ids)  # returns while the lower store is stuck: buffers are free
     assert (st == OK).all()
     wait_until(lambda: (tmp_path / "stalled").exists(), "the lower write never started")
     assert not p.lookup(ids).any()
     stall.release.set()
     wait_until(lambda: p.lookup(ids).all(), "blocks written behind never became visible")
-    assert (load(p, plat, ids) == OK).all()
+    assert (load_checked(p, plat, ids) == OK).all()
     p.close()
 
 
@@ -129,7 +125,7 @@ def test_write_behind_failures_are_counted_and_stay_invisible(tmp_path, plat):
     p = build_store("cache|posix", tmp_path, plat, **{"pipeline.write": "behind", "posix.io_threads": 1})
     p.lower.io = FullDiskIO(budget=2 * LAYOUT.shard_bytes)
     ids = random_ids(5, 6)
-    assert (dump(p, plat, ids) == OK).all()
+    assert (dump_blocks(p, plat, ids) == OK).all()
     wait_until(lambda: p.stats()["behind_failed"] == 3, "write-behind failures were not counted")
     assert p.lookup(ids).sum() == 2
     assert p.stats()["cache.slots_filling"] == 0
@@ -139,18 +135,18 @@ def test_write_behind_failures_are_counted_and_stay_invisible(tmp_path, plat):
 def test_a_full_cache_is_bypassed(tmp_path, plat):
     p = build_store("cache|posix", tmp_path, plat, **{"cache.capacity": 2 * (LAYOUT.shard_bytes + 64)})
     ids = random_ids(N, 7)
-    assert (dump(p, plat, ids) == OK).all()
+    assert (dump_blocks(p, plat, ids) == OK).all()
     assert p.lower.lookup(ids).all()
-    assert (load(p, plat, ids) == OK).all()
+    assert (load_checked(p, plat, ids) == OK).all()
     p.close()
 
 
 def test_without_promotion_loads_leave_the_cache_alone(tmp_path, plat):
     ids = random_ids(N, 8)
     with build_store("posix", tmp_path, plat) as lower_only:
-        assert (dump(lower_only, plat, ids) == OK).all()
+        assert (dump_blocks(lower_only, plat, ids) == OK).all()
     p = build_store("cache|posix", tmp_path, plat, **{"pipeline.promote": False})
-    assert (load(p, plat, ids) == OK).all()
+    assert (load_checked(p, plat, ids) == OK).all()
     assert p.stats()["cache.slots_ready"] == 0
     p.close()
 
@@ -158,16 +154,16 @@ def test_without_promotion_loads_leave_the_cache_alone(tmp_path, plat):
 def test_prefetch_fills_the_cache(tmp_path, plat):
     ids = random_ids(N, 9)
     with build_store("posix", tmp_path, plat) as lower_only:
-        assert (dump(lower_only, plat, ids) == OK).all()
+        assert (dump_blocks(lower_only, plat, ids) == OK).all()
     p = build_store("cache|posix", tmp_path, plat)
     p.prefetch(ids)
     wait_until(lambda: p.upper.lookup(ids).all(), "prefetch did not fill the cache")
     loads = p.stats()["posix.load_ok"]
-    assert (load(p, plat, ids) == OK).all()
+    assert (load_checked(p, plat, ids) == OK).all()
     assert p.stats()["posix.load_ok"] == loads
     missing = random_ids(3, 10)
     p.prefetch(missing)
-    assert (load(p, plat, missing) == MISSING).all()
+    assert (load_checked(p, plat, missing) == MISSING).all()
     p.close()
 
 
@@ -178,7 +174,7 @@ def test_a_load_waiting_on_blocks_written_behind_cannot_starve_them(tmp_path, pl
     stall = StallingIO(str(tmp_path / "stalled"))
     p.lower.io = stall
     ids = random_ids(4, 11)
-    assert (dump(p, plat, ids) == OK).all()
+    assert (dump_blocks(p, plat, ids) == OK).all()
     b = Blocks(plat, LAYOUT, 4)
     t = p.load(ids, 0, b.addrs)
     wait_until(lambda: (tmp_path / "stalled").exists(), "the lower write never started")

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -20,15 +19,14 @@ from stores import (
     LAYOUT,
     Blocks,
     FullDiskIO,
-    SlowReadIO,
     StallingIO,
     block_bytes,
     child_dump_forever,
+    dump_blocks,
     random_ids,
 )
 
 from kvfabric.platform.sim import SimPlatform
-from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.hashing import to_hex
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.posix import PosixConfig, PosixStore
@@ -55,19 +53,11 @@ def files_under(root: Path, suffix: str = "") -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(suffix))
 
 
-def dump(store, plat, ids, layout=LAYOUT, salt=0):
-    b = Blocks(plat, layout, len(ids))
-    b.write(block_bytes(ids, layout.shard_bytes, salt))
-    st = store.wait(store.dump(ids, 0, b.addrs))
-    b.free()
-    return st
-
-
 def test_one_file_per_block_named_by_hex_id_under_prefix_dirs(tmp_path, plat):
     dirs = (str(tmp_path / "a"), str(tmp_path / "b"))
     s = posix(tmp_path, plat, dirs=dirs)
     ids = random_ids(64, 1)
-    assert (dump(s, plat, ids) == OK).all()
+    assert (dump_blocks(s, plat, ids) == OK).all()
     names = to_hex(ids)
     for i, name in enumerate(names):
         k = ((int(ids[i, 0]) << 8) | int(ids[i, 1])) % 2
@@ -126,7 +116,7 @@ def test_gc_removes_the_coldest_blocks_down_to_the_low_watermark(tmp_path, plat)
         background_gc=False,
     )
     ids = random_ids(12, 3)
-    assert (dump(s, plat, ids) == OK).all()
+    assert (dump_blocks(s, plat, ids) == OK).all()
     now = time.time()
     for i, name in enumerate(to_hex(ids)):  # block i last used i hours ago... reversed: 0 is coldest
         os.utime(tmp_path / "d0" / name[:3] / name, (now - 3600 * (12 - i), now - 3600 * (12 - i)))
@@ -145,7 +135,7 @@ def test_background_gc_keeps_usage_under_capacity(tmp_path, plat):
     per = LAYOUT.shard_bytes
     s = posix(tmp_path, plat, capacity=8 * per, gc_interval=0.05, gc_high=0.9, gc_low=0.5)
     for k in range(3):
-        assert (dump(s, plat, random_ids(6, 10 + k)) == OK).all()
+        assert (dump_blocks(s, plat, random_ids(6, 10 + k)) == OK).all()
     deadline = time.monotonic() + 30
     while s.gc.usage > 8 * per or len(files_under(tmp_path / "d0")) > 8:
         assert time.monotonic() < deadline, "GC never brought usage under capacity"
@@ -157,12 +147,12 @@ def test_enospc_is_a_per_block_failure(tmp_path, plat):
     s = posix(tmp_path, plat, io_threads=1)
     s.io = FullDiskIO(budget=3 * LAYOUT.shard_bytes)
     ids = random_ids(6, 4)
-    st = dump(s, plat, ids)
+    st = dump_blocks(s, plat, ids)
     assert (st[:3] == OK).all() and (st[3:] == FAILED).all()
     assert np.array_equal(s.lookup(ids), st == OK)
     assert not files_under(tmp_path / "d0", ".tmp")
     s.io = FileIO()  # space freed: the same blocks go in now
-    assert (dump(s, plat, ids) == OK).all()
+    assert (dump_blocks(s, plat, ids) == OK).all()
     assert s.stats()["dump_failed"] == 3
     s.close()
 
@@ -249,14 +239,14 @@ def test_o_direct_falls_back_where_the_file_system_refuses_it(tmp_path, plat, mo
     s = PosixStore(PosixConfig(dirs=(str(tmp_path / "d0"),), direct=True), platform=plat, layout=layout)
     monkeypatch.undo()
     assert not s.direct and "does not accept O_DIRECT" in caplog.text
-    assert (dump(s, plat, random_ids(4, 7), layout) == OK).all()
+    assert (dump_blocks(s, plat, random_ids(4, 7), layout) == OK).all()
     s.close()
 
 
 def test_read_errors_and_foreign_files_are_failures(tmp_path, plat):
     s = posix(tmp_path, plat)
     ids = random_ids(4, 8)
-    assert (dump(s, plat, ids) == OK).all()
+    assert (dump_blocks(s, plat, ids) == OK).all()
     name = to_hex(ids[1:2])[0]
     path = tmp_path / "d0" / name[:3] / name
     path.write_bytes(path.read_bytes()[:100])  # e.g. written by another layout
@@ -270,54 +260,6 @@ def test_read_errors_and_foreign_files_are_failures(tmp_path, plat):
 
     s.io = EIO()
     assert (s.wait(s.load(ids, 0, dst.addrs)) == FAILED).all()
-    s.close()
-
-
-def release_after_cancel(task, slow):
-    """Let the stalled reads go only once ``task`` has been cancelled (by a timeout)."""
-
-    def run():
-        while task.cancelled is None:
-            time.sleep(0.005)
-        time.sleep(0.05)
-        slow.release.set()
-
-    threading.Thread(target=run, daemon=True).start()
-
-
-def test_load_timeout_reading_straight_into_host_memory(tmp_path, plat):
-    """Reading into contiguous host memory is itself the access to the caller's memory: a
-    timeout waits for the read already running (block 0), and no later one starts."""
-    s = posix(tmp_path, plat, io_threads=1)
-    ids = random_ids(4, 9)
-    assert (dump(s, plat, ids) == OK).all()
-    slow = SlowReadIO()
-    s.io = slow
-    dst = Blocks(plat, LAYOUT, 4, Medium.DRAM, contiguous=True)
-    t = s.load(ids, 0, dst.addrs)
-    slow.started.wait(10)
-    release_after_cancel(t, slow)
-    st = s.wait(t, timeout=0.02)
-    assert st.tolist() == [OK, TIMEOUT, TIMEOUT, TIMEOUT]
-    time.sleep(0.3)
-    assert np.array_equal(dst.read()[0], block_bytes(ids[:1], LAYOUT.shard_bytes)[0])
-    assert all(dst.untouched(i) for i in range(1, 4))
-    s.close()
-
-
-def test_load_timeout_on_the_bounce_path(tmp_path, plat):
-    s = posix(tmp_path, plat, io_threads=1)
-    ids = random_ids(4, 10)
-    assert (dump(s, plat, ids) == OK).all()
-    slow = SlowReadIO()
-    s.io = slow
-    dst = Blocks(plat, LAYOUT, 4)
-    t = s.load(ids, 0, dst.addrs)
-    slow.started.wait(10)
-    release_after_cancel(t, slow)
-    assert (s.wait(t, timeout=0.02) == TIMEOUT).all()
-    time.sleep(0.4)  # the reads finished meanwhile; their bytes stayed in the bounce area
-    assert all(dst.untouched(i) for i in range(4))
     s.close()
 
 
@@ -361,7 +303,7 @@ def test_shards_from_two_processes_assemble_into_one_file(tmp_path, plat):
 def test_prefetch_and_config_errors(tmp_path, plat):
     s = posix(tmp_path, plat)
     ids = random_ids(4, 12)
-    dump(s, plat, ids)
+    dump_blocks(s, plat, ids)
     s.prefetch(ids)  # best effort; must not disturb anything
     assert s.lookup(ids).all()
     s.close()
@@ -375,46 +317,3 @@ def test_prefetch_and_config_errors(tmp_path, plat):
         PosixConfig.from_mapping({"posix.dir": "/tmp/x"})
     with pytest.raises(ValueError, match="twice"):
         PosixConfig.from_mapping({"posix.dirs": ["/tmp/x", "/tmp/x/"]})
-
-
-class ShortReadIO(FileIO):
-    """Real files, but every ``preadv`` returns at most 1000 bytes (as a signal may)."""
-
-    def read_scatter(self, fd, views, offset):
-        real = os.preadv
-
-        def short(fd_, bufs, pos):
-            budget, cut = 1000, []
-            for b in bufs:
-                if budget <= 0:
-                    break
-                cut.append(b[:budget])
-                budget -= len(cut[-1])
-            return real(fd_, cut, pos)
-
-        os.preadv = short
-        try:
-            super().read_scatter(fd, views, offset)
-        finally:
-            os.preadv = real
-
-
-@pytest.mark.parametrize("io", [FileIO, ShortReadIO], ids=["preadv", "short-reads"])
-def test_loads_into_host_pieces_read_straight_into_them(tmp_path, plat, io):
-    """Host (DRAM) destinations are filled by a scatter read per block, with no bounce
-    buffer and no platform copy; device destinations keep the bounce path."""
-    store = posix(tmp_path, plat)
-    store.io = io()
-    ids = random_ids(6, 77)
-    assert (dump(store, plat, ids) == OK).all()
-    host = Blocks(plat, LAYOUT, 6, medium=Medium.DRAM)
-    plat.ledger.reset()
-    assert (store.wait(store.load(ids, 0, host.addrs)) == OK).all()
-    assert plat.ledger.totals() == []  # no bounce copy: the file went straight into the pieces
-    assert np.array_equal(host.read(), block_bytes(ids, LAYOUT.shard_bytes))
-    device = Blocks(plat, LAYOUT, 6)
-    plat.ledger.reset()
-    assert (store.wait(store.load(ids, 0, device.addrs)) == OK).all()
-    assert plat.ledger.totals()  # device memory: bounce buffer and a batched copy
-    assert np.array_equal(device.read(), block_bytes(ids, LAYOUT.shard_bytes))
-    store.close()

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvfabric.platform.base import Platform
 from kvfabric.platform.types import Medium
-from kvfabric.ucm_layer.store.base import Store, StoreLayout
+from kvfabric.ucm_layer.store.base import BlockStatus, Store, StoreLayout
 from kvfabric.ucm_layer.store.posix_files import FileIO
 from kvfabric.ucm_layer.store.registry import create
 
@@ -220,6 +220,27 @@ class Blocks:
     def free(self) -> None:
         self.platform.free(self.buf)
         self.platform.free(self.host)
+
+
+def dump_blocks(
+    store: Store, plat: Platform, ids: np.ndarray, layout: StoreLayout = LAYOUT, salt: int = 0
+) -> np.ndarray:
+    """Dump ``block_bytes(ids)`` (shard 0) from fresh device blocks, wait, free; the statuses."""
+    b = Blocks(plat, layout, len(ids))
+    b.write(block_bytes(ids, layout.shard_bytes, salt))
+    st = store.wait(store.dump(ids, 0, b.addrs))
+    b.free()
+    return st
+
+
+def load_checked(store: Store, plat: Platform, ids: np.ndarray) -> np.ndarray:
+    """Load ``ids`` (shard 0) into fresh blocks; every OK block must hold ``block_bytes``."""
+    b = Blocks(plat, LAYOUT, len(ids))
+    st = store.wait(store.load(ids, 0, b.addrs))
+    ok = st == int(BlockStatus.OK)
+    assert np.array_equal(b.read()[ok], block_bytes(ids[ok], LAYOUT.shard_bytes))
+    b.free()
+    return st
 
 
 # ---------------------------------------------------------------------------- platform faults

@@ -38,7 +38,7 @@ from kvfabric.ucm_layer.store.cache_index import Claim, Claims, SlotTable, keys_
 from kvfabric.ucm_layer.store.common import Request, TaskStore
 from kvfabric.ucm_layer.store.config import Key, as_bool, as_int, as_size, parse_keys
 from kvfabric.ucm_layer.store.task import StoreTask
-from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, slot_pieces, wait_after
+from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, dump_may_start, slot_pieces
 
 SLOT_ALIGN = 64
 SETTLE_POLL_S = 0.05
@@ -186,10 +186,7 @@ class CacheStore(TaskStore):
         task.seal()
 
     def _dump(self, ctx: WorkerContext, req: Request, task: StoreTask) -> None:
-        verdict = wait_after(req.after, task, ctx.stream)
-        if verdict is BlockStatus.FAILED:
-            task.fail_pending()
-        if verdict is not None:
+        if not dump_may_start(req.after, task, ctx.stream):
             return
         pending = np.arange(req.n)
         while pending.size:

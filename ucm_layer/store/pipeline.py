@@ -37,7 +37,7 @@ from kvfabric.ucm_layer.store.cache_index import Claim, Claims
 from kvfabric.ucm_layer.store.common import Request, TaskStore
 from kvfabric.ucm_layer.store.config import Key, as_bool, as_choice, as_int, parse_keys
 from kvfabric.ucm_layer.store.task import StoreTask
-from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, wait_after
+from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, dump_may_start
 
 log = logging.getLogger("kvfabric.store.pipeline")
 OK = BlockStatus.OK
@@ -214,10 +214,7 @@ class Pipeline(TaskStore):
         task.seal()
 
     def _dump(self, ctx: WorkerContext, req: Request, task: StoreTask) -> None:
-        verdict = wait_after(req.after, task, ctx.stream)
-        if verdict is BlockStatus.FAILED:
-            task.fail_pending()
-        if verdict is not None:
+        if not dump_may_start(req.after, task, ctx.stream):
             return
         pending = np.arange(req.n)
         while pending.size and task.cancelled is None:

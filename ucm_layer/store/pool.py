@@ -31,7 +31,7 @@ from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.common import Request, TaskStore
 from kvfabric.ucm_layer.store.config import Key, as_float, as_int, as_size, parse_keys
 from kvfabric.ucm_layer.store.task import StoreTask
-from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, wait_after
+from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, dump_may_start
 
 log = logging.getLogger("kvfabric.store")
 
@@ -177,10 +177,7 @@ class PoolStore(TaskStore):
         task.seal()
 
     def _dump(self, ctx: WorkerContext, req: Request, task: StoreTask) -> None:
-        verdict = wait_after(req.after, task, ctx.stream)
-        if verdict is BlockStatus.FAILED:
-            task.fail_pending()
-        if verdict is not None:
+        if not dump_may_start(req.after, task, ctx.stream):
             return
         for start in range(0, req.n, self.config.chunk):
             sl = slice(start, min(start + self.config.chunk, req.n))

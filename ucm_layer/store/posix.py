@@ -38,7 +38,7 @@ from kvfabric.ucm_layer.store.host_views import host_view
 from kvfabric.ucm_layer.store.posix_files import ALIGN, BlockFiles, FileIO, PartWriter, write_single
 from kvfabric.ucm_layer.store.posix_gc import Collector
 from kvfabric.ucm_layer.store.task import StoreTask
-from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, slot_pieces, wait_after
+from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, dump_may_start, slot_pieces
 
 log = logging.getLogger("kvfabric.store.posix")
 
@@ -211,8 +211,7 @@ class PosixStore(TaskStore):
         batched platform copy, as it must on a real device."""
         return bool(req.n) and not self.direct and not req.media.any()
 
-    def _read(self, path: str, view: memoryview | list[memoryview], offset: int,
-              direct: bool) -> BlockStatus:
+    def _read(self, path: str, view: memoryview | list[memoryview], offset: int, direct: bool) -> BlockStatus:
         try:
             fd = self.io.open_read(path, direct)
         except FileNotFoundError:
@@ -299,10 +298,7 @@ class PosixStore(TaskStore):
         self.workers.run(task, lambda ctx, sl: self._dump_chunk(ctx, sl, task, req, host))
 
     def _dump_chunk(self, ctx: WorkerContext, sl: slice, task: StoreTask, req: Request, host: bool) -> None:
-        verdict = wait_after(req.after, task, ctx.stream)
-        if verdict is FAILED:
-            task.fail_pending(sl)
-        if verdict is not None:
+        if not dump_may_start(req.after, task, ctx.stream, sl):
             return
         paths = self.files.paths(req.ids[sl])
         present = self.files.exists(paths)

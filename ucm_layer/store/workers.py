@@ -171,6 +171,15 @@ def wait_after(after: Event | None, task: StoreTask, stream: Stream) -> BlockSta
     return None
 
 
+def dump_may_start(after: Event | None, task: StoreTask, stream: Stream, sl: slice = slice(None)) -> bool:
+    """``wait_after`` for a dump worker: True when it may go on; False when it must stop, its
+    blocks (``sl``, default all pending) already marked FAILED if the awaited work failed."""
+    verdict = wait_after(after, task, stream)
+    if verdict is BlockStatus.FAILED:
+        task.fail_pending(sl)
+    return verdict is None
+
+
 def copy_pieces(
     platform: Platform, stream: Stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray
 ) -> None:
