@@ -19,8 +19,8 @@ Two parts, measured in one run:
   warm-up request and the prompt twice (storing it, and faulting in the pages of the
   load path once), as a long-running server would have.
 
-kvfabric's store is the connector's default (``cache|pool`` once the pool store is
-registered, ``cache|posix`` until then) over a temporary directory.
+kvfabric's store is the connector's default, ``cache|pool`` (a pool embedded in the engine
+process); ``ExampleConnector`` writes its files under a temporary directory.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ def _totals(engine):
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"layerwise": True}, {"delegator": False}],
-    ids=["whole", "layerwise", "no-delegator"],
+    [{}, {"layerwise": True}, {"delegator": True}],
+    ids=["whole-auto-direct", "layerwise", "delegator"],
 )
 def test_same_prompt_twice_loads_through_kvfabric(tiny_model, tmp_path, extra):
     eng = make_engine(

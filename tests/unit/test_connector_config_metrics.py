@@ -18,7 +18,11 @@ def test_defaults_and_inline_values(monkeypatch, tmp_path):
     cfg = load_config({})
     assert cfg.store in ("cache|pool", "cache|posix")
     assert cfg.posix_path == str(tmp_path / "kv")
-    assert cfg.delegator and not cfg.layerwise and cfg.otlp_endpoint is None
+    assert cfg.delegator is None and not cfg.layerwise and cfg.otlp_endpoint is None  # auto
+    assert cfg.resolved(kv_on_host=False).delegator is True  # device KV cache: gather
+    assert cfg.resolved(kv_on_host=True).delegator is False  # host KV cache: one copy fewer
+    assert load_config({"delegator": "auto"}).delegator is None
+    assert load_config({"delegator": "off"}).resolved(kv_on_host=False).delegator is False
     cfg = load_config(
         {"store": " cache | posix ", "cache_bytes": "64MiB", "layerwise": "true", "staging_blocks": "8"}
     )
@@ -47,6 +51,7 @@ def test_yaml_file_with_inline_override(tmp_path):
         ({"store": "cache||posix"}, "pipeline"),
         ({"cache_bytes": "lots"}, "cache_bytes"),
         ({"layerwise": "maybe"}, "layerwise"),
+        ({"delegator": "sometimes"}, "'delegator' must be a boolean or 'auto'"),
         ({"staging_blocks": 0}, "staging_blocks"),
         ({"pool_address": "nohost"}, "pool_address"),
         ({"load_timeout_s": -1}, "load_timeout_s"),

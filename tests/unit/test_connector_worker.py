@@ -45,11 +45,13 @@ def _worker(plat, stores, rank=0, mla=False, **cfg):
     )
 
 
+@pytest.mark.parametrize("delegator", [True, False, None], ids=["delegator", "direct", "auto"])
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_dump_then_load_through_plans(plat, layerwise):
+def test_dump_then_load_through_plans(plat, layerwise, delegator):
     stores: dict = {}
     src, dst = _caches(1), {k: torch.zeros_like(v) for k, v in _caches(1).items()}
-    a, b = _worker(plat, stores, layerwise=layerwise), _worker(plat, stores, layerwise=layerwise)
+    a = _worker(plat, stores, layerwise=layerwise, delegator=delegator)
+    b = _worker(plat, stores, layerwise=layerwise, delegator=delegator)
     a.register(src, NB)
     b.register(dst, NB)
     ids = _ids(4)
@@ -69,6 +71,9 @@ def test_dump_then_load_through_plans(plat, layerwise):
     assert b.stats.totals["loaded_blocks"] == 4
     for name in src:
         assert torch.equal(dst[name][8:12], src[name][0:4])
+    # auto: these are host (CPU) tensors, so the store is handed the pieces directly
+    assert a.cfg.delegator is (delegator if delegator is not None else False)
+    assert (a.store.layout.pieces == 1) is bool(a.cfg.delegator) or layerwise
     a.close(), b.close()
 
 

@@ -163,7 +163,21 @@ def engine_info(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
         kv_consumer=bool(kvt.is_kv_consumer),
         block_strides=strides,
         single_group=len(groups) <= 1,
+        device_type=_device_type(vllm_config),
     )
+
+
+def _device_type(vllm_config: Any) -> str:
+    """The engine's device type (``DeviceConfig.device_type``; vLLM's current platform else)."""
+    dt = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if not dt:
+        try:
+            from vllm.platforms import current_platform
+
+            dt = current_platform.device_type
+        except (ImportError, AttributeError):
+            dt = "cpu"
+    return str(dt or "cpu")
 
 
 def tp_rank() -> int:

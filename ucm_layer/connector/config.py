@@ -12,7 +12,10 @@ given inline override the file's):
 ``cache_bytes``        capacity of the ``cache`` tier, e.g. ``"2GiB"``
 ``pool_bytes``         capacity of an embedded pool, e.g. ``"8GiB"``
 ``store_options``      mapping passed verbatim to the stores (their own keys)
-``delegator``          gather a block's pieces into one transfer (default true)
+``delegator``          gather a block's pieces into one transfer: ``true``, ``false`` or
+                       ``"auto"`` (default: on where the KV cache is device memory, off where
+                       it is host memory, as in vLLM's CPU build, where the gather is one more
+                       memcpy of every byte and the store's batched copy already gathers)
 ``staging_blocks``     Delegator staging slots, in blocks (default 128)
 ``layerwise``          load and dump layer by layer (default false: whole requests)
 ``sparse``             a sparse decode-attention algorithm of ``kvfabric.ucm_layer.sparse``
@@ -36,7 +39,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +61,7 @@ class ConnectorConfig:
     cache_bytes: int = 1 << 30
     pool_bytes: int = 4 << 30
     store_options: Mapping[str, Any] = field(default_factory=dict)
-    delegator: bool = True
+    delegator: bool | None = None  # None: auto (see resolved())
     staging_blocks: int = 128
     layerwise: bool = False
     sparse: str | None = None
@@ -87,6 +90,14 @@ class ConnectorConfig:
             raise ValueError(f"kvfabric config 'load_timeout_s' must be > 0, got {self.load_timeout_s}")
         if not isinstance(self.store_options, Mapping):
             raise TypeError("kvfabric config 'store_options' must be a mapping")
+
+    def resolved(self, kv_on_host: bool) -> ConnectorConfig:
+        """This config with ``delegator`` decided: ``auto`` is on unless the KV cache is host
+        memory. Scheduler and workers resolve it from the same engine config, so both agree
+        on the block ids (``delegator`` is part of the fingerprint)."""
+        if self.delegator is not None:
+            return self
+        return replace(self, delegator=not kv_on_host)
 
     @property
     def stores(self) -> tuple[str, ...]:
@@ -127,6 +138,16 @@ def _as_bool(key: str, v: Any) -> bool:
     if isinstance(v, int) and v in (0, 1):
         return bool(v)
     raise ValueError(f"kvfabric config {key!r} must be a boolean, got {v!r}")
+
+
+def _as_auto_bool(key: str, v: Any) -> bool | None:
+    """A boolean, or ``None`` for ``"auto"`` (decided later from the engine)."""
+    if v is None or (isinstance(v, str) and v.strip().lower() == "auto"):
+        return None
+    try:
+        return _as_bool(key, v)
+    except ValueError:
+        raise ValueError(f"kvfabric config {key!r} must be a boolean or 'auto', got {v!r}") from None
 
 
 def _as_int(key: str, v: Any) -> int:
@@ -176,7 +197,7 @@ def _as_sparse(key: str, v: Any) -> str | None:
 
 
 _PARSERS = {
-    "delegator": _as_bool,
+    "delegator": _as_auto_bool,
     "layerwise": _as_bool,
     "sparse": _as_sparse,
     "staging_blocks": _as_int,

@@ -84,6 +84,8 @@ def _fingerprint(cfg: ConnectorConfig, info: compat.EngineInfo, kv_cache_config:
             f":{getattr(s, 'dtype', '?')}:{len(g.layer_names)}L:{getattr(s, 'page_size_bytes', '?')}"
         )
     layout = ";".join(specs) or "unknown"
+    if cfg.delegator is None:
+        raise ValueError("the connector config must be resolved (delegator: auto) before fingerprinting")
     layout += f"|delegator={int(cfg.delegator)}|layerwise={int(cfg.layerwise)}"
     return hashing.Fingerprint(info.model, info.dtype, layout, info.block_size, info.tp_size)
 
@@ -105,10 +107,10 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         except TypeError:  # older vLLM: (vllm_config, role)
             super().__init__(vllm_config=vllm_config, role=role)
         kvt = vllm_config.kv_transfer_config
-        self.cfg = load_config(kvt.kv_connector_extra_config)
+        self.info = compat.engine_info(vllm_config, kv_cache_config)
+        self.cfg = load_config(kvt.kv_connector_extra_config).resolved(self.info.device_type == "cpu")
         self.is_scheduler = compat.is_scheduler(role)
         self.cfg.log_once("scheduler" if self.is_scheduler else "worker")
-        self.info = compat.engine_info(vllm_config, kv_cache_config)
         if not self.info.single_group:
             raise ValueError(
                 "kvfabric supports models with one KV cache group (full attention); "

@@ -46,3 +46,4 @@ class EngineInfo:
     kv_consumer: bool
     block_strides: dict[str, int]
     single_group: bool
+    device_type: str = "cpu"  # where vLLM keeps the KV cache: "cpu", "cuda", "npu", ...

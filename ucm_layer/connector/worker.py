@@ -107,6 +107,7 @@ class WorkerSide:
             raise ValueError("register was already called for this worker")
         layout = layout_from_tensors(kv_caches, num_blocks, block_strides)
         seen: set[int] = set()
+        on_host = True
         for value in kv_caches.values():
             for t in value if isinstance(value, (tuple, list)) else [value]:
                 ptr = int(t.untyped_storage().data_ptr())
@@ -114,18 +115,20 @@ class WorkerSide:
                     continue
                 seen.add(ptr)
                 raw = _raw_storage(t)
+                on_host = on_host and raw.device.type == "cpu"
                 medium = (
                     Medium.HBM if (raw.device.type != "cpu" or self.platform.name == "sim") else Medium.DRAM
                 )
                 self._wrapped.append(self.platform.wrap(raw, medium))
+        self.cfg = self.cfg.resolved(on_host)  # the connector resolved it already; direct users too
         self.store = self._store_factory(
-            Delegator.store_layout(layout, self.cfg.delegator, self.cfg.layerwise)
+            Delegator.store_layout(layout, bool(self.cfg.delegator), self.cfg.layerwise)
         )
         self.delegator = Delegator(
             self.platform,
             layout,
             self.store,
-            enabled=self.cfg.delegator,
+            enabled=bool(self.cfg.delegator),
             layerwise=self.cfg.layerwise,
             staging_blocks=self.cfg.staging_blocks,
         )
