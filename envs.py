@@ -120,6 +120,24 @@ KVFABRIC_LOG_LEVEL: EnvVar[str] = EnvVar(
     "Log level of the kvfabric logger.",
 )
 
+
+def _parse_threads(text: str) -> int | None:
+    v = text.strip().lower()
+    if v == "auto":
+        return None
+    n = int(v)
+    if not 1 <= n <= 64:
+        raise ValueError(f"expected 'auto' or a thread count from 1 to 64, got {text!r}")
+    return n
+
+
+KVFABRIC_COPY_THREADS: EnvVar[int | None] = EnvVar(
+    "KVFABRIC_COPY_THREADS",
+    _parse_threads,
+    None,
+    "Threads the sim platform splits a large host copy across (auto: the usable cores, at most 4).",
+)
+
 MC_TCP_BIND_ADDRESS: EnvVar[str | None] = EnvVar(
     "MC_TCP_BIND_ADDRESS",
     lambda s: s.strip() or None,
@@ -134,6 +152,7 @@ ALL: tuple[EnvVar, ...] = (
     KVFABRIC_NATIVE,
     KVFABRIC_CACHE_DIR,
     KVFABRIC_LOG_LEVEL,
+    KVFABRIC_COPY_THREADS,
     MC_TCP_BIND_ADDRESS,
 )
 

@@ -3,7 +3,8 @@
 "Device" (HBM) and host (DRAM) buffers are both host memory. Shareable buffers are POSIX
 shared-memory segments (see ``platform/shm.py``) that another process maps through
 ``import_handle``; the others are private anonymous mappings. Copies are real memcpy
-(``memmove`` for one piece, the native batched loop for many; both release the GIL).
+(``memmove`` for one piece, the native batched loop for many; both release the GIL;
+copies of 4 MiB and more are split across a few threads, see ``copier.py``).
 Streams are worker threads. Each copy is also priced by the cost model, and the
 ``ledger`` keeps wall and simulated time side by side. ``faults`` injects failures.
 """
@@ -26,6 +27,7 @@ from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.handles import HandleRecord
 from kvfabric.platform.hostwrap import host_wrap_info
+from kvfabric.platform.sim.copier import HostCopier
 from kvfabric.platform.sim.cost import DEFAULT_MODEL, CostLedger, CostModel
 from kvfabric.platform.sim.faults import CopyFault, FaultInjector
 from kvfabric.platform.sim.streams import SimEventState, SimStreamWorker
@@ -43,14 +45,19 @@ class SimConfig:
     ``alloc_cap``: refuse allocations past this many owned bytes (None: no cap; the
     shared-memory directory's free space still applies). ``sweep_on_start``: unlink
     segments left by dead processes when the first platform of a process starts.
+    ``copy_threads``: threads a large host copy is split across (None: ``KVFABRIC_COPY_THREADS``,
+    else the usable cores, at most 4; see ``copier.py``).
     """
 
     cost_model: CostModel = field(default_factory=lambda: CostModel.preset(DEFAULT_MODEL))
     alloc_cap: int | None = None
     shm_dir: str | None = None
     sweep_on_start: bool = True
+    copy_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.copy_threads is not None and self.copy_threads < 1:
+            raise ValueError(f"SimConfig.copy_threads must be >= 1 or None, got {self.copy_threads}")
         if self.alloc_cap is not None and self.alloc_cap < 0:
             raise ValueError(f"SimConfig.alloc_cap must be >= 0 or None, got {self.alloc_cap}")
         if self.shm_dir is not None and not os.path.isdir(self.shm_dir):
@@ -76,6 +83,7 @@ class SimPlatform(Platform):
         self._owned_bytes = 0
         self._bytes_lock = threading.Lock()
         self._native = native.get()
+        self._copier = HostCopier(self._native, self.config.copy_threads)
         self.swept: list[str] = []
         d = self.config.shm_dir or shm.shm_dir()
         if self.config.sweep_on_start:
@@ -98,6 +106,11 @@ class SimPlatform(Platform):
     def _release_bytes(self, nbytes: int) -> None:
         with self._bytes_lock:
             self._owned_bytes -= nbytes
+
+    @property
+    def copy_threads(self) -> int:
+        """Threads a host copy of ``copier.PARALLEL_BYTES`` or more is split across."""
+        return self._copier.threads
 
     @property
     def owned_bytes(self) -> int:
@@ -191,7 +204,7 @@ class SimPlatform(Platform):
                 f"failed on sim:{self.device}"
             )
         t0 = time.perf_counter()
-        ctypes.memmove(dst, src, nbytes)
+        self._copier.copy_one(dst, src, nbytes)
         wall = time.perf_counter() - t0
         self.ledger.add(direction, nbytes, wall, self.config.cost_model.copy_seconds(direction, nbytes))
 
@@ -211,10 +224,10 @@ class SimPlatform(Platform):
                 f"injected fault: batch copy of {len(batch)} pieces ({batch.total_bytes} B) "
                 f"failed on sim:{self.device} after {k} pieces"
             )
-        t0 = time.perf_counter()
-        self._native.memcpy_batch(batch.dst, batch.src, batch.nbytes)
-        wall = time.perf_counter() - t0
         total = batch.total_bytes
+        t0 = time.perf_counter()
+        self._copier.copy_batch(batch.dst, batch.src, batch.nbytes, total)
+        wall = time.perf_counter() - t0
         first = int(directions[0])
         if len(batch) == 1 or (directions == first).all():
             per_dir = {Direction(first): total}
