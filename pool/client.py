@@ -256,7 +256,7 @@ class PoolClient:
         return self.writer.batch_put_from_layers(keys, u64(ptrs)[:, None], u64(sizes)[:, None])
 
     def put_from(self, key: str, ptr: int, nbytes: int) -> Status:
-        return _raise_put(key, Status(int(self.batch_put_from([key], [ptr], [nbytes])[0])))
+        return _raise_put(key, self.writer.put_one(key, int(ptr), int(nbytes)))
 
     def batch_put(self, keys: Sequence[str], values: Sequence[bytes]) -> np.ndarray:
         return self.writer.batch_put(keys, values)

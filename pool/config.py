@@ -54,6 +54,7 @@ class PoolConfig:
     http: str = ""  # "HOST:PORT" of the HTTP endpoint (/health, /metrics, ...; "" -> off)
     align: int = 256  # allocation granularity in bytes
     rpc_timeout_s: float = 1.0  # clients: a call not answered by then is ServiceUnavailable
+    rpc_spin_us: float = 100.0  # daemon: poll a Unix connection this long for a request, then sleep
     pretouch: bool = True  # fault the service's window in at start (first touch is slow)
     rendezvous: str = ""  # "" -> the node hosts one; else a store url (etcd://host:port)
     session_ttl_s: float = 10.0  # a rank silent this long (hung, not exited) leaves the pool
@@ -80,6 +81,8 @@ class PoolConfig:
         for key in ("write_lease_s", "read_lease_s", "rpc_timeout_s", "session_ttl_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"pool config {key} must be > 0, got {getattr(self, key)}")
+        if not 0 <= self.rpc_spin_us <= 10_000:
+            raise ValueError(f"pool config rpc_spin_us must be between 0 and 10000, got {self.rpc_spin_us}")
         if self.default_ttl_s < 0:
             raise ValueError(f"pool config default_ttl_s must be >= 0, got {self.default_ttl_s}")
         if self.tcp:

@@ -41,7 +41,9 @@ class PoolDaemon:
         self.config = config
         self._check_not_running()
         self.node = PoolNode(config, platform, persistent=True)
-        self.rpc = RpcServer(self.node.dispatcher, config.socket, config.tcp_addr, config.token)
+        self.rpc = RpcServer(
+            self.node.dispatcher, config.socket, config.tcp_addr, config.token, config.rpc_spin_us
+        )
         self.http: HttpEndpoint | None = None
         self._stopped = threading.Event()
 

@@ -10,12 +10,17 @@ pinned, so an address in the directory never changes meaning).
 * ``write`` / ``read``: many pieces between caller memory and GVAs in one
   ``batch_xcopy`` (grouped by rank pair, mapped or remote); per-piece success comes back
   so a batch fails only the objects whose pieces failed;
+* ``write_one``: one piece; a plain memmove when both sides are host memory and the
+  GVA is mapped here and the piece is below ``ONE_COPY_BYTES`` (the batch machinery costs
+  more than copying a MiB), else ``write``;
 * ``check_user_one``: the caller's range must lie in a buffer its platform knows.
 
 Thread-safe (the fabric is).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -26,6 +31,7 @@ from kvfabric.pool.gva.fabric import Fabric
 from kvfabric.pool.gva.handle import ItemStatus
 
 _REGION_MEDIUM = {1: Medium.DRAM, 2: Medium.HBM}
+ONE_COPY_BYTES = 4 << 20  # from here on a platform copy may split the piece across threads
 
 
 class FabricDataPlane:
@@ -48,6 +54,16 @@ class FabricDataPlane:
     def write(self, gvas: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Copy caller pieces to GVAs; per-piece success (bool array)."""
         return self._xcopy(gvas, srcs, sizes)
+
+    def write_one(self, gva: int, ptr: int, n: int, host_user: bool) -> bool:
+        """Copy one caller piece to ``gva``; True when it arrived."""
+        if host_user and n < ONE_COPY_BYTES:
+            loc = self.local(gva, n)
+            if loc is not None and loc[1]:
+                ctypes.memmove(loc[0], ptr, n)
+                return True
+        ok = self.write(np.array([gva], np.uint64), np.array([ptr], np.uint64), np.array([n], np.uint64))
+        return bool(ok.all())
 
     def read(self, dsts: np.ndarray, gvas: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Copy GVA pieces into caller memory; per-piece success (bool array)."""

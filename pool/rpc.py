@@ -6,6 +6,13 @@ connection is dropped (so a late reply can never be taken for the next call's) a
 next call reconnects. TCP connections authenticate with the token (HMAC challenge). A reply whose
 ``error`` is set is raised as ``ValueError`` (the service refused the request itself).
 Thread-safe: calls are serialised on one socket per transport.
+
+Waiting for a reply: on a Unix socket the caller first polls for up to ``spin_us``
+(yielding the core between polls) and only then sleeps in ``poll``. A reply from a daemon on
+the same node comes back in tens of µs, and a sleeping caller adds its own wake-up to
+each round trip (about 100 µs per metadata RPC with the other core idle against about 45 µs
+with the short spin, measured on the 2-core development machine). TCP connections, which
+may cross nodes, sleep at once (``spin_us`` 0).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from multiprocessing.connection import (
     AuthenticationError,
     Connection,
@@ -24,6 +32,18 @@ from typing import Any, Protocol
 from kvfabric.errors import ServiceUnavailable
 from kvfabric.pool import protocol as p
 from kvfabric.pool.dispatch import Dispatcher
+
+SPIN_US = 100.0  # see module docstring
+
+
+def spin_poll(conn: Connection, seconds: float) -> bool:
+    """Poll ``conn`` without sleeping for up to ``seconds``; True once data is there."""
+    end = time.perf_counter() + seconds
+    while not conn.poll(0):
+        if time.perf_counter() >= end:
+            return False
+        os.sched_yield()
+    return True
 
 
 class Transport(Protocol):
@@ -54,7 +74,9 @@ class LocalTransport:
 class SocketTransport:
     """RPC over a Unix socket path or ``tcp://host:port`` (see module docstring)."""
 
-    def __init__(self, endpoint: str, timeout: float = 1.0, token: str = "") -> None:
+    def __init__(
+        self, endpoint: str, timeout: float = 1.0, token: str = "", spin_us: float | None = None
+    ) -> None:
         if endpoint.startswith("tcp://"):
             host, _, port = endpoint[6:].rpartition(":")
             self.address: str | tuple[str, int] = (host, int(port))
@@ -64,6 +86,11 @@ class SocketTransport:
             self.family = "AF_UNIX"
         self.endpoint = endpoint
         self.timeout = timeout
+        if spin_us is None:
+            spin_us = SPIN_US if self.family == "AF_UNIX" else 0.0
+        if not 0 <= spin_us <= 10_000:
+            raise ValueError(f"spin_us must be between 0 and 10000, got {spin_us!r}")
+        self.spin_s = spin_us * 1e-6
         self.token = token.encode() or None
         self._lock = threading.Lock()
         self._conn: Connection | None = None
@@ -95,7 +122,7 @@ class SocketTransport:
             conn = self._connect()
             try:
                 conn.send_bytes(payload)
-                if not conn.poll(self.timeout):
+                if not (self.spin_s and spin_poll(conn, self.spin_s)) and not conn.poll(self.timeout):
                     self._reset()
                     raise ServiceUnavailable(
                         f"pool service at {self.endpoint} did not answer within {self.timeout} s"

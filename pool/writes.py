@@ -114,6 +114,24 @@ class Writer:
         st[rows] = np.where(whole, cst, Status.TRANSFER_FAILED)
         return st
 
+    def put_one(self, key: str, ptr: int, nbytes: int) -> Status:
+        """The hot path of a single one-piece put: the same alloc / copy / commit steps
+        without building arrays (the copy is a plain memmove when the space is mapped here)."""
+        if nbytes <= 0:
+            raise ValueError(f"piece sizes must be > 0, got {nbytes}")
+        c = self.c
+        host_user = c.dp.check_user_one(ptr, nbytes)
+        st, gvas = self.batch_alloc([key], [nbytes])
+        if st[0] != Status.OK:
+            return Status(int(st[0]))
+        try:
+            arrived = c.dp.write_one(int(gvas[0]), ptr, nbytes, host_user)
+        except Exception:
+            self.batch_commit([key], [False])
+            raise
+        cst = int(self.batch_commit([key], [arrived])[0])
+        return Status(cst) if arrived else Status.TRANSFER_FAILED
+
     def batch_put(self, keys: Sequence[str], values: Sequence[bytes]) -> np.ndarray:
         if len(keys) != len(values):
             raise ValueError(f"batch_put: {len(keys)} keys but {len(values)} values")

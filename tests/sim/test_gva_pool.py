@@ -92,6 +92,8 @@ def trio():
             me = Fabric.join(srv.url, "sim", {"dram": 192 << 10})
             try:
                 me.wait_for(lambda t: len(t.members) == 3, 30)
+                for w in workers:  # workers copy into this process's window too
+                    w.ok("members", 3, 30)
                 yield me, workers
             finally:
                 me.leave()
@@ -227,6 +229,8 @@ def test_pool_on_the_device_platform_classes(server, spec):
     try:
         me.wait_for(lambda t: len(t.members) == 3, 30)
         a, b = workers
+        for w in workers:  # b copies from this process's window: every rank must know it first
+            w.ok("members", 3, 30)
         ga, gb, gm = (me.gva("hbm", 0, rank=r) for r in (a.rank, b.rank, me.rank))
         host = plat.alloc(WIN, "dram")
         host.numpy()[:] = pattern(WIN, 77)

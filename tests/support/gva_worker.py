@@ -73,6 +73,10 @@ def _main(
                             except KVFabricError:
                                 errors += 1
                     conn.send(("ok", done, errors))
+                elif cmd == "members":  # wait until this rank's table lists that many
+                    n, timeout = args
+                    t = fab.wait_for(lambda t, n=n: len(t.members) >= n, timeout)
+                    conn.send(("ok", len(t.members)))
                 elif cmd == "table":
                     conn.send(("ok", fab.version, list(fab.table.ranks)))
                 elif cmd == "leave":

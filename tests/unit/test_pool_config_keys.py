@@ -25,6 +25,8 @@ def test_config_defaults_and_sizes(tmp_path):
         ({"align": 100}, "power of two"),
         ({"name": "a/b"}, "name"),
         ({"write_lease_s": 0}, "write_lease_s"),
+        ({"rpc_spin_us": -1}, "rpc_spin_us"),
+        ({"rpc_spin_us": 20_000}, "rpc_spin_us"),
     ],
 )
 def test_config_errors_name_the_key(kwargs, match):
