@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 
 import pytest
+from kvf_testing import kvfabric_command
 
 FIELDS = ("bench", "case", "nbytes", "pieces", "gbps", "memcpy_gbps", "ratio_vs_memcpy", "p50_us", "p99_us")
 
 
 @pytest.mark.slow
 def test_bench_xcopy_quick_json():
-    exe = shutil.which("kvfabric")
-    cmd = [exe] if exe else [sys.executable, "-m", "kvfabric.cli"]
     out = subprocess.run(
-        [*cmd, "bench", "xcopy", "--quick", "--json"], capture_output=True, text=True, timeout=600
+        [*kvfabric_command(), "bench", "xcopy", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 
 import pytest
+from kvf_testing import kvfabric_command
 
 
 def _kvfabric(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    exe = shutil.which("kvfabric")
-    cmd = [exe, *args] if exe else [sys.executable, "-m", "kvfabric.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*kvfabric_command(), *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_info():
