@@ -99,8 +99,24 @@ def _unlink(name: str, path: str) -> None:
         pass
 
 
+HUGE_PAGE_BYTES = 4 << 20  # mappings from this size on ask for transparent huge pages
+
+
+def advise_huge(mm: mmap.mmap, nbytes: int) -> None:
+    """Ask for transparent huge pages on a large mapping, as numpy does for its large
+    arrays: a copy through 4 KiB pages pays a TLB miss every 4 KiB (measured here: 0.7 of
+    an anonymous huge-page memcpy). Where the kernel does not give them for this kind of
+    memory (``shmem_enabled`` = never for tmpfs segments) nothing changes."""
+    if nbytes >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+
+
 def _map(fd: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    advise_huge(mm, nbytes)
     return mm, np.frombuffer(mm, dtype=np.uint8)
 
 

@@ -123,6 +123,7 @@ class SimPlatform(Platform):
                 seg = shm.create(nbytes, self.config.shm_dir)
                 return seg.ptr, seg
             mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            shm.advise_huge(mm, nbytes)
             arr = np.frombuffer(mm, dtype=np.uint8)
             return int(arr.ctypes.data), _Private(mm, arr)
         except BaseException:
