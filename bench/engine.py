@@ -11,6 +11,7 @@ transformers' model imports) and how to fix it, or None.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -132,6 +133,18 @@ class Engine:
         gc.collect()
 
 
+class _NoTokenizerWarmup(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" warning (with its traceback): engines
+    built here skip the tokenizer on purpose (prompts are token ids), and vLLM still tries
+    to render a chat template at start-up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
+
+
+_WARMUP_FILTER = _NoTokenizerWarmup()
+
+
 def make_engine(
     model: str | Path,
     transfer: dict[str, Any] | None,
@@ -156,6 +169,8 @@ def make_engine(
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    if not tokenizer:
+        logging.getLogger("vllm.renderers.base").addFilter(_WARMUP_FILTER)  # idempotent
     kwargs: dict[str, Any] = {}
     if transfer is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
