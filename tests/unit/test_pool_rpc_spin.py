@@ -88,3 +88,35 @@ def test_calls_with_and_without_spinning(tmp_path, server_spin_us, client_spin_u
         for c in clients:
             c.close()
         server.stop()
+
+
+def test_spin_governor_backs_off_under_preemption_and_tries_again(monkeypatch):
+    import kvfabric.pool.server as server
+
+    count = [0]
+    monkeypatch.setattr(server, "_preemptions", lambda: count[0])
+    g = server.SpinGovernor(limit=100, backoff=3)
+    for _ in range(5):  # a quiet machine: spinning stays on
+        count[0] += 10
+        g.tick()
+        assert g.allowed
+    count[0] += 500  # preempted a lot while spinning: off for `backoff` ticks
+    g.tick()
+    assert not g.allowed
+    for _ in range(2):
+        count[0] += 5
+        g.tick()
+        assert not g.allowed
+    count[0] += 5
+    g.tick()
+    assert g.allowed  # tried again
+    count[0] += 500
+    g.tick()
+    assert not g.allowed
+
+
+def test_real_preemption_counter_moves_forward():
+    import kvfabric.pool.server as server
+
+    a = server._preemptions()
+    assert isinstance(a, int) and a >= 0 and server._preemptions() >= a
