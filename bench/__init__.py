@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "kvfabric.bench.e2e:run",
     "gsa": "kvfabric.bench.sparse.run:run",
     "pool": "kvfabric.bench.pool:run",
+    "rpc": "kvfabric.bench.rpc:run",
     "store": "kvfabric.bench.store:run",
 }
 
