@@ -130,7 +130,7 @@ def test_config_parsers_and_docs():
     with pytest.raises(ValueError, match="at least one"):
         as_paths("")
     rows = describe("posix", PosixConfig.KEYS)
-    assert rows[0][0] == "posix.dirs" and rows[0][1] == "None"
+    assert rows[0][0] == "posix.dirs" and rows[0][1] == "required"
 
 
 def test_argument_checks():

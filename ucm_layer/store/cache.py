@@ -36,7 +36,7 @@ from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.cache_index import Claim, Claims, SlotTable, keys_of
 from kvfabric.ucm_layer.store.common import Request, TaskStore
-from kvfabric.ucm_layer.store.config import Key, as_bool, as_int, as_size, parse_keys
+from kvfabric.ucm_layer.store.config import REQUIRED, Key, as_bool, as_int, as_size, parse_keys
 from kvfabric.ucm_layer.store.task import StoreTask
 from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, dump_may_start, slot_pieces
 
@@ -54,7 +54,7 @@ class CacheConfig:
     prefault: bool = False
 
     KEYS: ClassVar[tuple[Key, ...]] = (
-        Key("capacity", as_size, None, "bytes of host memory for slots (e.g. 4GiB); required"),
+        Key("capacity", as_size, REQUIRED, "bytes of host memory for slots, e.g. 4GiB"),
         Key("shared", as_bool, False, "put the slots in shared memory (KVFABRIC_SHM_DIR)"),
         Key("workers", as_int(1, 64), 2, "threads that run the cache's copies"),
         Key("prefault", as_bool, False, "touch every page at start (no page faults later)"),
@@ -62,10 +62,7 @@ class CacheConfig:
 
     @classmethod
     def from_mapping(cls, config: Mapping[str, Any]) -> CacheConfig:
-        values = parse_keys("cache", cls.KEYS, config)
-        if values["capacity"] is None:
-            raise ValueError("config key cache.capacity is required (bytes of host memory, e.g. '4GiB')")
-        return cls(**values)
+        return cls(**parse_keys("cache", cls.KEYS, config))
 
 
 def _mem_available() -> int | None:
