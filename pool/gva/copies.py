@@ -40,29 +40,27 @@ class FabricCopies:
     # ------------------------------------------------------------------ fast path
     def local_address(self, gva: int, nbytes: int) -> int:
         """The address in this process of ``[gva, gva + nbytes)`` (mapped ranks only)."""
-        region = gva >> REGION_BITS
-        try:
-            stride, slots = self._view.fast[region if region > 0 else 3]
-            rank, off = divmod(gva & _MASK, stride)
-            ptr, size, _buf = slots[rank]  # type: ignore[misc]
-        except (IndexError, TypeError):
-            return self._unresolvable(gva, nbytes)
-        if nbytes <= 0 or off + nbytes > size:
-            return self._unresolvable(gva, nbytes)
+        ptr, off, _buf = self._mapped(gva, nbytes)
         return ptr + off
 
     def resolve(self, gva: int, nbytes: int) -> Span:
         """A platform ``Span`` of ``[gva, gva + nbytes)`` in this process (mapped ranks only)."""
+        _ptr, off, buf = self._mapped(gva, nbytes)
+        return Span(buf, off, nbytes)
+
+    def _mapped(self, gva: int, nbytes: int) -> tuple[int, int, Any]:
+        """``(window address, offset, window buffer)`` of a range mapped here, from the
+        view's flat per-region tables; anything else goes to ``_unresolvable``."""
         region = gva >> REGION_BITS
         try:
             stride, slots = self._view.fast[region if region > 0 else 3]
             rank, off = divmod(gva & _MASK, stride)
-            _ptr, size, buf = slots[rank]  # type: ignore[misc]
+            ptr, size, buf = slots[rank]  # type: ignore[misc]
         except (IndexError, TypeError):
-            self._unresolvable(gva, nbytes)
+            return self._unresolvable(gva, nbytes)
         if nbytes <= 0 or off + nbytes > size:
-            self._unresolvable(gva, nbytes)
-        return Span(buf, off, nbytes)
+            return self._unresolvable(gva, nbytes)
+        return ptr, off, buf
 
     def _unresolvable(self, gva: int, nbytes: int) -> Any:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
