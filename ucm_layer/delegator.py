@@ -201,14 +201,18 @@ class Delegator:
                 self._free.extend(int(s) for s in slots)
                 self._slots_free.notify_all()
 
-    # ------------------------------------------------------------------ dump
-    def dump(self, ids: Any, blocks: Any, after: Event | None = None, layer: int | None = None) -> DumpOp:
-        """Start storing the KV of ``blocks`` under ``ids`` once ``after`` completed."""
+    def _checked(self, ids: Any, blocks: Any, layer: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """Validated ``(ids, blocks, store shard)`` of a dump or load."""
         ids = check_ids(ids)
         blocks = self.layout.check_blocks(blocks)
         if ids.shape[0] != blocks.size:
             raise ValueError(f"{ids.shape[0]} ids for {blocks.size} blocks")
-        shard = self._shard(layer)
+        return ids, blocks, self._shard(layer)
+
+    # ------------------------------------------------------------------ dump
+    def dump(self, ids: Any, blocks: Any, after: Event | None = None, layer: int | None = None) -> DumpOp:
+        """Start storing the KV of ``blocks`` under ``ids`` once ``after`` completed."""
+        ids, blocks, shard = self._checked(ids, blocks, layer)
         op = DumpOp(self, "dump", ids, blocks, layer)
         if not blocks.size:
             return op
@@ -273,11 +277,7 @@ class Delegator:
     # ------------------------------------------------------------------ load
     def load(self, ids: Any, blocks: Any, layer: int | None = None) -> LoadOp:
         """Start loading ``ids`` into ``blocks``; the bytes are in place after ``wait``."""
-        ids = check_ids(ids)
-        blocks = self.layout.check_blocks(blocks)
-        if ids.shape[0] != blocks.size:
-            raise ValueError(f"{ids.shape[0]} ids for {blocks.size} blocks")
-        shard = self._shard(layer)
+        ids, blocks, shard = self._checked(ids, blocks, layer)
         op = LoadOp(self, "load", ids, blocks, layer)
         if not blocks.size:
             return op

@@ -33,7 +33,16 @@ from kvfabric.platform.base import Platform
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout, TaskKind
 from kvfabric.ucm_layer.store.common import Request, TaskStore
-from kvfabric.ucm_layer.store.config import REQUIRED, Key, as_bool, as_float, as_int, as_paths, as_size, parse_keys
+from kvfabric.ucm_layer.store.config import (
+    REQUIRED,
+    Key,
+    as_bool,
+    as_float,
+    as_int,
+    as_paths,
+    as_size,
+    parse_keys,
+)
 from kvfabric.ucm_layer.store.host_views import host_view
 from kvfabric.ucm_layer.store.posix_files import ALIGN, BlockFiles, FileIO, PartWriter, write_single
 from kvfabric.ucm_layer.store.posix_gc import Collector
@@ -62,7 +71,9 @@ class PosixConfig:
     chunk: int = 16 << 20
 
     KEYS: ClassVar[tuple[Key, ...]] = (
-        Key("dirs", as_paths, REQUIRED, "backend directories (list, or comma-separated); blocks spread by id"),
+        Key(
+            "dirs", as_paths, REQUIRED, "backend directories (list, or comma-separated); blocks spread by id"
+        ),
         Key("capacity", as_size, 0, "bytes of block files kept; 0 = no limit (GC removes the coldest)"),
         Key("gc_high", as_float(0.01, 1.0), 0.95, "GC starts above this fraction of capacity"),
         Key("gc_low", as_float(0.0, 1.0), 0.85, "GC removes the coldest blocks down to this fraction"),
