@@ -10,9 +10,10 @@ pinned, so an address in the directory never changes meaning).
 * ``write`` / ``read``: many pieces between caller memory and GVAs in one
   ``batch_xcopy`` (grouped by rank pair, mapped or remote); per-piece success comes back
   so a batch fails only the objects whose pieces failed;
-* ``write_one``: one piece; a plain memmove when both sides are host memory and the
-  GVA is mapped here and the piece is below ``ONE_COPY_BYTES`` (the batch machinery costs
-  more than copying a MiB), else ``write``;
+* ``write_one`` / ``read_one``: one piece; a plain memmove when both sides are host memory,
+  the GVA is mapped here and the piece is below ``ONE_COPY_BYTES`` (the copy machinery costs
+  tens of µs, a fifth of a MiB's copy), else ``write`` / ``read`` (where the platform may
+  split a large copy across threads);
 * ``check_user_one``: the caller's range must lie in a buffer its platform knows.
 
 Thread-safe (the fabric is).
@@ -57,13 +58,27 @@ class FabricDataPlane:
 
     def write_one(self, gva: int, ptr: int, n: int, host_user: bool) -> bool:
         """Copy one caller piece to ``gva``; True when it arrived."""
+        near = self._direct(gva, n, host_user)
+        if near is None:
+            return bool(self.write(*_one(gva, ptr, n)).all())
+        ctypes.memmove(near, ptr, n)
+        return True
+
+    def read_one(self, ptr: int, gva: int, n: int, host_user: bool) -> bool:
+        """Copy the piece at ``gva`` into caller memory; True when it arrived."""
+        near = self._direct(gva, n, host_user)
+        if near is None:
+            return bool(self.read(*_one(ptr, gva, n)).all())
+        ctypes.memmove(ptr, near, n)
+        return True
+
+    def _direct(self, gva: int, n: int, host_user: bool) -> int | None:
+        """The mapped address of a piece a plain memmove may copy (see module docstring)."""
         if host_user and n < ONE_COPY_BYTES:
             loc = self.local(gva, n)
             if loc is not None and loc[1]:
-                ctypes.memmove(loc[0], ptr, n)
-                return True
-        ok = self.write(np.array([gva], np.uint64), np.array([ptr], np.uint64), np.array([n], np.uint64))
-        return bool(ok.all())
+                return loc[0]
+        return None
 
     def read(self, dsts: np.ndarray, gvas: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Copy GVA pieces into caller memory; per-piece success (bool array)."""
@@ -94,6 +109,10 @@ class FabricDataPlane:
         host = self._host[buf.medium]
         self._user_hit = (buf, buf.ptr, buf.end, host)
         return host
+
+
+def _one(dst: int, src: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.array([dst], np.uint64), np.array([src], np.uint64), np.array([n], np.uint64)
 
 
 def require(ok: np.ndarray, what: str) -> None:

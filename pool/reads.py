@@ -12,7 +12,6 @@ that ran out and lost its object turns the read into ``LeaseExpired``, never wro
 
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,12 +64,7 @@ class Reader:
             if i < 0 or state != _READABLE or (expire and ticks_passed(expire)):
                 raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
             _check_size(key, size, nbytes, exact=False)
-            loc = c.dp.local(gva, size)
-            if loc is not None and host_user and loc[1]:
-                ctypes.memmove(ptr, loc[0], size)  # mapped here, host memory: a plain copy
-            elif not c.dp.read(
-                np.array([ptr], np.uint64), np.array([gva], np.uint64), np.array([size], np.uint64)
-            ).all():
+            if not c.dp.read_one(ptr, gva, size, host_user):
                 continue  # its rank is gone or the copy failed: look again
             if table.seq_now(i) == seq:
                 table.touch(i)

@@ -7,7 +7,7 @@ import pytest
 from pool_testing import content
 
 from kvfabric.errors import KeyNotFound, LeaseExpired, OutOfSpace
-from kvfabric.pool import reads
+from kvfabric.pool import dataplane, reads
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.node import EmbeddedPool
 from kvfabric.pool.status import Status
@@ -138,7 +138,7 @@ def test_fast_path_reader_never_returns_bytes_of_a_reused_extent(pool, client, m
     after-copy check discards the copy; it returns a miss or the new whole object."""
     client.put("race", content("race", 64 * KiB))
     other = pool.client()
-    real = reads.ctypes.memmove
+    real = dataplane.ctypes.memmove
     fired = []
 
     def racing_memmove(dst, src, n):
@@ -149,7 +149,7 @@ def test_fast_path_reader_never_returns_bytes_of_a_reused_extent(pool, client, m
             other.put("x", b"y" * 64 * KiB)
         return real(dst, src, n)
 
-    monkeypatch.setattr(reads.ctypes, "memmove", racing_memmove)
+    monkeypatch.setattr(dataplane.ctypes, "memmove", racing_memmove)  # the fast-path copy
     out = host(client, 64 * KiB)
     client.get_into("race", out.ctypes.data, out.nbytes)
     assert fired and out.tobytes() == content("race2", 64 * KiB)
