@@ -54,24 +54,6 @@ def _median_time(fn: Callable[[], Any], reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def time_step(
-    context: int,
-    budget: int,
-    num_kv_heads: int = 8,
-    group: int = 4,
-    head_dim: int = 128,
-    block_size: int = 16,
-    rank: int = 16,
-    rounds: int = 5,
-    seed: int = 0,
-    options: dict[str, Any] | None = None,
-) -> StepTiming:
-    """One (context, budget) timing (see ``time_steps``)."""
-    return time_steps(
-        context, [budget], num_kv_heads, group, head_dim, block_size, rank, rounds, seed, options
-    )[0]
-
-
 def time_steps(
     context: int,
     budgets: list[int],
@@ -152,4 +134,4 @@ def time_steps(
     return out
 
 
-__all__ = ["StepTiming", "time_step", "time_steps"]
+__all__ = ["StepTiming", "time_steps"]

@@ -9,7 +9,7 @@ from torch_threads import one_torch_thread  # noqa: F401
 from kvfabric.bench import BENCHMARKS
 from kvfabric.bench.sparse.metrics import MethodSpec, evaluate
 from kvfabric.bench.sparse.plots import plot_rows
-from kvfabric.bench.sparse.speed import time_step
+from kvfabric.bench.sparse.speed import time_steps
 from kvfabric.bench.sparse.synthetic import HeadType, SyntheticConfig, generate, stats
 
 
@@ -84,7 +84,7 @@ def test_metrics_oracle_full_budget_and_methods(work):
 
 
 def test_step_timing_and_plots(tmp_path):
-    t = time_step(2048, 256, num_kv_heads=2, group=2, head_dim=32, rounds=1)
+    (t,) = time_steps(2048, [256], num_kv_heads=2, group=2, head_dim=32, rounds=1)
     assert t.dense_s > 0 and t.sparse_s > 0 and 0 < t.score_frac < 1
     assert BENCHMARKS["gsa"] == "kvfabric.bench.sparse.run:run"
     pytest.importorskip("matplotlib")
