@@ -14,3 +14,4 @@ class Status(enum.IntEnum):
     INVALID = 5  # bad key or size (the message names which)
     TRANSFER_FAILED = 6  # the bytes could not be moved
     UNAVAILABLE = 7  # the meta service did not answer
+    CORRUPT = 8  # the bytes read do not match the writer's checksum: treated as a miss
