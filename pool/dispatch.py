@@ -5,6 +5,15 @@ its lock, so the service stays single-threaded whatever calls it. It also applie
 pool's membership (``apply_table``, called by the node on every segment-table change of
 the GVA fabric): a rank that joins with windows gets them allocatable, a rank that
 leaves or dies takes its objects out of the directory at once.
+
+Every request is checked whole before the service sees it (``check_request``): keys
+(non-empty, at most 256 UTF-8 bytes), sizes (> 0, no larger than a window can be), ids,
+counts (at most ``MAX_BATCH`` a list, parallel lists of equal length), ranks (in the
+address space; ``preferred_rank`` one that contributes a window), mediums, TTLs, and the
+addresses of ``reregister`` (inside a window of the pool). A request that fails any check
+gets an ``error`` reply naming the field and the first bad index, and changes nothing;
+the socket's decoder refuses some of the same earlier (``protocol.py``), but in-process
+callers reach the dispatcher directly, so it checks everything itself.
 """
 
 from __future__ import annotations
@@ -17,6 +26,15 @@ from typing import Any
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
 from kvfabric.pool.gva.segments import SegmentTable
+from kvfabric.pool.keys import (
+    MAX_KEY_BYTES,
+    MAX_TTL_S,
+    check_int,
+    check_ints,
+    check_keys,
+    check_lengths,
+    check_sizes,
+)
 from kvfabric.pool.meta import MetaService
 from kvfabric.pool.metrics import PoolMetrics
 
@@ -45,6 +63,7 @@ class Dispatcher:
         t0 = time.perf_counter()
         with self.lock:
             try:
+                self.check_request(req)
                 reply = self._dispatch(req)
             except (ValueError, TypeError, KeyError) as e:
                 reply = p.Reply(self.epoch, error=f"{op}: {e}")
@@ -68,6 +87,71 @@ class Dispatcher:
                 if (rank, medium) not in s.windows:
                     s.add_window(rank, medium, size)
                     log.info("pool rank %d contributes %d B of %s", rank, size, medium.value)
+
+    def check_request(self, req: Any) -> None:
+        """Refuse a request with a bad field (``ValueError`` naming it); call under the lock."""
+        if isinstance(req, (p.Lookup, p.Exists, p.Remove)):
+            check_keys(req.keys)
+        elif isinstance(req, p.Alloc):
+            check_lengths("keys", req.keys, sizes=req.sizes)
+            check_keys(req.keys)
+            check_sizes(req.sizes, hi=self._max_object())
+            if req.home_rank is not None:
+                self._check_rank(req.home_rank, "home_rank")
+            if req.preferred_rank is not None:
+                self._check_rank(req.preferred_rank, "preferred_rank")
+                if req.preferred_rank not in {r for r, _ in self.service.windows}:
+                    raise ValueError(f"preferred_rank {req.preferred_rank} contributes no window to the pool")
+            if req.medium is not None:
+                Medium.parse(req.medium)
+        elif isinstance(req, p.Commit):
+            check_lengths("keys", req.keys, ok=req.ok)
+            check_keys(req.keys)
+            if not all(isinstance(f, bool) for f in req.ok):
+                raise ValueError("ok holds booleans")
+            ttl = req.ttl_s
+            number = isinstance(ttl, (int, float)) and not isinstance(ttl, bool)
+            if ttl is not None and not (number and 0 <= ttl <= MAX_TTL_S):
+                raise ValueError(f"ttl_s = {ttl!r}: must be a number of seconds in [0, {MAX_TTL_S:.0f}]")
+        elif isinstance(req, p.Release):
+            check_ints(req.lease_ids, "lease_ids")
+        elif isinstance(req, p.Reregister):
+            check_lengths("keys", req.keys, gvas=req.gvas, sizes=req.sizes, gens=req.gens)
+            check_keys(req.keys)
+            sizes = check_sizes(req.sizes, hi=self._max_object())
+            check_ints(req.gens, "gens")
+            for i, (gva, size) in enumerate(zip(check_ints(req.gvas, "gvas"), sizes)):
+                self._check_extent(gva, size, f"gvas[{i}]")
+        elif isinstance(req, p.ListKeys):
+            if not isinstance(req.prefix, bytes) or len(req.prefix) > MAX_KEY_BYTES:
+                raise ValueError(f"prefix must be at most {MAX_KEY_BYTES} bytes, got {req.prefix[:40]!r}")
+            check_int(req.start, "start")
+            check_int(req.limit, "limit")
+
+    def _max_object(self) -> int:
+        """No object is larger than the address range of one window."""
+        return int(getattr(self.service.addr, "stride", 1 << 60))
+
+    def _check_rank(self, rank: Any, name: str) -> None:
+        check_int(rank, name)
+        try:
+            self.service.addr.encode(Medium.DRAM, rank, 0)
+        except ValueError as e:
+            raise ValueError(f"{name} = {rank}: {e}") from None
+
+    def _check_extent(self, gva: int, size: int, name: str) -> None:
+        """``[gva, gva + size)`` lies inside one window of the pool."""
+        try:
+            medium, rank, off = self.service.addr.decode(gva)
+        except ValueError as e:
+            raise ValueError(f"{name} = {gva:#x}: {e}") from None
+        w = self.service.windows.get((rank, medium))
+        if w is None:
+            raise ValueError(f"{name} = {gva:#x}: rank {rank} has no {medium.value} window in the pool")
+        if off + size > w.size:
+            raise ValueError(
+                f"{name} = {gva:#x}: {size} B at offset {off} run past the {w.size} B window of rank {rank}"
+            )
 
     def _dispatch(self, req: Any) -> p.Reply:
         s, e = self.service, self.epoch

@@ -4,18 +4,38 @@ One request, one reply. Batched requests carry parallel lists (keys, sizes, ...)
 reply carries parallel per-key lists, so a batch of any size is one round trip. Replies
 always carry the service ``epoch``: a client that sees it change knows the service
 restarted and re-registers the objects its ranks own.
+
+Fields carry their wire-level bounds (keys of 1..256 bytes, sizes > 0, ids and addresses
+in uint64, at most ``MAX_BATCH`` items a list): a frame that breaks one is refused by the
+decoder with the path of the bad field (``Expected `int` >= 1, got -1 - at `$.sizes[3]` ``).
+The dispatcher checks the rest (UTF-8 keys, matching list lengths, ranks and addresses
+inside the pool's windows) for every caller, in-process ones included.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
+
+from kvfabric.pool.keys import MAX_BATCH, MAX_KEY_BYTES
+
+# Wire-level bounds, checked by the decoder before a request reaches the service (the
+# dispatcher checks the same and more again, also for in-process callers: ``dispatch.py``).
+Key = Annotated[bytes, Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], Meta(max_length=MAX_BATCH)]
+U64 = Annotated[int, Meta(ge=0)]  # the decoder refuses ints past 2**64 - 1 itself
+U64s = Annotated[list[U64], Meta(max_length=MAX_BATCH)]
+Sizes = Annotated[list[Annotated[int, Meta(gt=0)]], Meta(max_length=MAX_BATCH)]
+Rank = Annotated[int, Meta(ge=0)]
+ClientId = Annotated[str, Meta(max_length=MAX_KEY_BYTES)]
+MAX_FRAME = 1 << 29  # bytes of one request frame; a longer one closes the connection
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
-    client: str
-    token: str = ""
+    client: ClientId
+    token: ClientId = ""
 
 
 class Info(msgspec.Struct, tag="info", frozen=True):
@@ -23,36 +43,36 @@ class Info(msgspec.Struct, tag="info", frozen=True):
 
 
 class Alloc(msgspec.Struct, tag="alloc", frozen=True):
-    client: str
-    keys: list[bytes]
-    sizes: list[int]
-    home_rank: int | None = None
-    preferred_rank: int | None = None
+    client: ClientId
+    keys: Keys
+    sizes: Sizes
+    home_rank: Rank | None = None
+    preferred_rank: Rank | None = None
     medium: str | None = None
 
 
 class Commit(msgspec.Struct, tag="commit", frozen=True):
-    client: str
-    keys: list[bytes]
-    ok: list[bool]
-    ttl_s: float | None = None
+    client: ClientId
+    keys: Keys
+    ok: Annotated[list[bool], Meta(max_length=MAX_BATCH)]
+    ttl_s: Annotated[float, Meta(ge=0)] | None = None
 
 
 class Lookup(msgspec.Struct, tag="lookup", frozen=True):
-    keys: list[bytes]
+    keys: Keys
     lease: bool = True
 
 
 class Release(msgspec.Struct, tag="release", frozen=True):
-    lease_ids: list[int]
+    lease_ids: U64s
 
 
 class Exists(msgspec.Struct, tag="exists", frozen=True):
-    keys: list[bytes]
+    keys: Keys
 
 
 class Remove(msgspec.Struct, tag="remove", frozen=True):
-    keys: list[bytes]
+    keys: Keys
 
 
 class RemoveAll(msgspec.Struct, tag="remove_all", frozen=True):
@@ -60,16 +80,16 @@ class RemoveAll(msgspec.Struct, tag="remove_all", frozen=True):
 
 
 class Reregister(msgspec.Struct, tag="reregister", frozen=True):
-    keys: list[bytes]
-    gvas: list[int]
-    sizes: list[int]
-    gens: list[int]
+    keys: Keys
+    gvas: U64s
+    sizes: Sizes
+    gens: U64s
 
 
 class ListKeys(msgspec.Struct, tag="list_keys", frozen=True):
-    prefix: bytes = b""
-    start: int = 0
-    limit: int = 1000
+    prefix: Annotated[bytes, Meta(max_length=MAX_KEY_BYTES)] = b""
+    start: Annotated[int, Meta(ge=0)] = 0
+    limit: Annotated[int, Meta(ge=0)] = 1000
 
 
 Request = (
