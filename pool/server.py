@@ -147,7 +147,7 @@ class RpcServer:
                                 spin_poll(conn, spin_s)
                         finally:
                             self._spin_token.release()
-                    data = conn.recv_bytes()
+                    data = conn.recv_bytes(p.MAX_FRAME)  # a longer frame: OSError, closed
                 except (EOFError, OSError):
                     return
                 with self._lock:
