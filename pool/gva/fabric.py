@@ -118,8 +118,11 @@ class Fabric(FabricCopies):
         *,
         rank: int | None = None,
         config: GvaConfig | None = None,
+        token: str | None = None,
     ) -> Fabric:
-        """Join the pool at ``store`` (a ``KVStore`` or its url) contributing ``windows``."""
+        """Join the pool at ``store`` (a ``KVStore`` or its url) contributing ``windows``.
+        ``token``: join as this incarnation token (a previous one of this process, to
+        reclaim the rank reserved for it after the store restarted); default a new one."""
         cfg = config or GvaConfig()
         if not isinstance(cfg, GvaConfig):
             raise TypeError(f"config must be a GvaConfig, got {type(cfg).__name__}")
@@ -141,6 +144,8 @@ class Fabric(FabricCopies):
                 st.close()
             raise
         fab = cls(plat, st, cfg)
+        if token is not None:
+            fab.token = token
         fab._owned_platform = platform is None or isinstance(platform, str)
         fab._owned_store = owned_store
         try:

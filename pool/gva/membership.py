@@ -9,11 +9,20 @@ Keys of a pool with namespace ``ns`` in the rendezvous store:
 
 Every update bumps ``version``; a join that widens a stride also sets ``layout_version``.
 These functions are the only writers of the table.
+
+Reserved ranks: a store that restarted (the pool daemon hosts it) starts empty, while
+the objects of a rank with a window still carry that rank in their addresses. The
+daemon therefore writes a :class:`Reservation` per such rank (:func:`reserve`): a join
+that asks for no rank skips reserved ones, and only a joiner presenting the previous
+owner's token (``Fabric.join(token=...)``) takes a reserved rank, which ends the
+reservation. Reservations lapse at their ``until`` time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import time
+from collections.abc import Callable, Sequence
 
 from kvfabric.errors import ServiceUnavailable
 from kvfabric.platform.types import Medium
@@ -23,6 +32,7 @@ from kvfabric.pool.gva.segments import (
     MAX_RANKS,
     MemberRecord,
     MembershipRecord,
+    Reservation,
     decode_record,
     encode_record,
 )
@@ -74,8 +84,20 @@ def update(
     raise ServiceUnavailable(f"membership of {ns!r} changed {_MAX_RETRIES} times while updating it")
 
 
-def lowest_free_rank(rec: MembershipRecord) -> int:
-    taken = {m.rank for m in rec.members}
+def token_digest(token: str) -> str:
+    """What a reservation keeps of its owner's token (the token itself stays private)."""
+    return hashlib.blake2b(token.encode(), digest_size=16).hexdigest()
+
+
+def live_reservations(rec: MembershipRecord, now: float | None = None) -> dict[int, Reservation]:
+    """The reservations of ``rec`` that have not lapsed, by rank."""
+    t = time.time() if now is None else now
+    return {r.rank: r for r in rec.reserved if r.until > t}
+
+
+def lowest_free_rank(rec: MembershipRecord, now: float | None = None) -> int:
+    """The lowest rank neither held by a member nor reserved for a previous owner."""
+    taken = {m.rank for m in rec.members} | set(live_reservations(rec, now))
     r = 0
     while r in taken:
         r += 1
@@ -83,16 +105,30 @@ def lowest_free_rank(rec: MembershipRecord) -> int:
 
 
 def with_member(
-    rec: MembershipRecord, member: MemberRecord, rank: int | None, pinned: AddressSpace
+    rec: MembershipRecord,
+    member: MemberRecord,
+    rank: int | None,
+    pinned: AddressSpace,
+    now: float | None = None,
 ) -> MembershipRecord:
-    """``rec`` plus ``member`` (at ``rank``, or the lowest free one), strides widened."""
+    """``rec`` plus ``member`` (at ``rank``, or the lowest free one), strides widened.
+
+    A rank reserved for a previous owner goes only to a member whose token is that
+    owner's; taking it ends the reservation."""
+    reserved = live_reservations(rec, now)
     if rank is None:
-        rank = lowest_free_rank(rec)
+        rank = lowest_free_rank(rec, now)
     elif (other := rec.member(rank)) is not None:
         raise ValueError(
             f"rank {rank} is already held by pid {other.pid} on {other.node} (token {other.token[:8]}); "
             "choose another rank, or wait until that one leaves or is removed"
         )
+    elif (res := reserved.get(rank)) is not None and res.digest != token_digest(member.token):
+        raise ValueError(
+            f"rank {rank} is reserved for its owner before the pool restarted (pid {res.pid} on "
+            f"{res.node}); only that owner's token reclaims it"
+        )
+    reserved.pop(rank, None)
     if rank >= MAX_RANKS:
         raise ValueError(f"rank {rank} is out of range (at most {MAX_RANKS} ranks)")
     space = AddressSpace(max(rec.dram_stride, pinned.dram_stride), max(rec.hbm_stride, pinned.hbm_stride))
@@ -113,7 +149,8 @@ def with_member(
         rank, member.token, member.node, member.pid, member.platform, version, member.windows, member.routes
     )
     members = tuple(sorted((*rec.members, joined), key=lambda m: m.rank))
-    return MembershipRecord(version, layout, space.dram_stride, space.hbm_stride, members)
+    kept = tuple(sorted(reserved.values(), key=lambda r: r.rank))
+    return MembershipRecord(version, layout, space.dram_stride, space.hbm_stride, members, kept)
 
 
 def without(rec: MembershipRecord, token: str) -> MembershipRecord | None:
@@ -121,7 +158,30 @@ def without(rec: MembershipRecord, token: str) -> MembershipRecord | None:
     if not any(m.token == token for m in rec.members):
         return None
     members = tuple(m for m in rec.members if m.token != token)
-    return MembershipRecord(rec.version + 1, rec.layout_version, rec.dram_stride, rec.hbm_stride, members)
+    return MembershipRecord(
+        rec.version + 1, rec.layout_version, rec.dram_stride, rec.hbm_stride, members, rec.reserved
+    )
+
+
+def with_reservations(rec: MembershipRecord, add: Sequence[Reservation]) -> MembershipRecord | None:
+    """``rec`` with ``add`` in force (replacing reservations of the same ranks); None if
+    nothing changes. Reservations for ranks a member holds stay: they apply once it leaves."""
+    if not add:
+        return None
+    merged = {r.rank: r for r in rec.reserved} | {r.rank: r for r in add}
+    return MembershipRecord(
+        rec.version + 1,
+        rec.layout_version,
+        rec.dram_stride,
+        rec.hbm_stride,
+        rec.members,
+        tuple(sorted(merged.values(), key=lambda r: r.rank)),
+    )
+
+
+def reserve(store: KVStore, ns: str, reservations: Sequence[Reservation]) -> MembershipRecord:
+    """Hold ``reservations``' ranks for their previous owners (see module docstring)."""
+    return update(store, ns, lambda rec: with_reservations(rec, reservations))
 
 
 def remove(store: KVStore, ns: str, token: str) -> MembershipRecord:

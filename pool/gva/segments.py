@@ -63,12 +63,25 @@ class MemberRecord(msgspec.Struct, frozen=True):
         return None
 
 
+class Reservation(msgspec.Struct, frozen=True):
+    """A rank held for the incarnation that owned it before the pool's store restarted:
+    only a joiner whose token hashes to ``digest`` takes it (``membership.token_digest``),
+    and only until ``until`` (Unix time); ``node`` and ``pid`` name that owner in errors."""
+
+    rank: int
+    digest: str
+    until: float
+    node: str = ""
+    pid: int = 0
+
+
 class MembershipRecord(msgspec.Struct, frozen=True):
     version: int = 0
     layout_version: int = 0
     dram_stride: int = 0
     hbm_stride: int = 0
     members: tuple[MemberRecord, ...] = ()
+    reserved: tuple[Reservation, ...] = ()  # ranks only their previous owner may take
 
     @property
     def space(self) -> AddressSpace:
