@@ -184,15 +184,24 @@ def open_named(name: str, nbytes: int, directory: str | None = None) -> tuple[Se
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
-                os.unlink(path)
                 if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    raise OutOfSpace(f"shared memory of {nbytes} B does not fit ({e})") from e
+                    free = _free_bytes(os.path.dirname(path))
+                    raise OutOfSpace(
+                        f"shared memory of {nbytes} B for {full!r} does not fit ({free} B free): {e}"
+                    ) from e
                 raise
         else:
             size = os.fstat(fd).st_size
             if size != nbytes:
                 raise HandleError(f"segment {full!r} exists with {size} B, not {nbytes} B")
         mm, arr = _map(fd, nbytes)
+    except BaseException:
+        if created:  # a segment this call created and could not hand over: never leave it behind
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        raise
     finally:
         os.close(fd)
     return Segment(full, path, nbytes, mm, arr, owner=False), created
@@ -242,6 +251,19 @@ class SegmentInfo:
     nbytes: int
     owner_pid: int
     owner_alive: bool
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this node; a pid <= 0 never does)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True
 
 
 def owner_alive(name: str) -> bool:

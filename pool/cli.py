@@ -22,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--tcp", help="also serve RPC on HOST:PORT")
     serve.add_argument("--token", help="shared secret for TCP clients")
     serve.add_argument("--http", help="HTTP endpoint HOST:PORT (/health, /metrics, /capacity, /keys)")
+    serve.add_argument("--pause-at", dest="pause_at", help=argparse.SUPPRESS)  # tests: a start-up stage
     serve.set_defaults(fn=cmd_serve)
     status = psub.add_parser("status", help="capacity, ranks and objects of a running daemon")
     status.add_argument("--socket", help="Unix socket path of the daemon")
@@ -42,10 +43,20 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - PoolConfig
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvfabric.pool.daemon import PoolDaemon
+    """Signals are handled from here on, before anything is allocated (``daemon.py``):
+    a start interrupted by one cleans up and exits with 128 + the signal's number."""
+    from kvfabric.pool.daemon import PoolDaemon, Signals, StartInterrupted
+    from kvfabric.pool.node import StartStage
 
-    daemon = PoolDaemon(_config(args))
-    daemon.start()
+    signals = Signals()
+    signals.install()
+    pause_at = StartStage(args.pause_at) if args.pause_at else None
+    try:
+        daemon = PoolDaemon(_config(args), signals=signals, pause_at=pause_at)
+        daemon.start()
+    except StartInterrupted as e:
+        log.warning("kvfabric pool: %s; nothing was left behind", e)
+        return 128 + e.signum
     print(json.dumps({"event": "ready", **daemon.endpoints()}), flush=True)
     daemon.serve_forever()
     return 0

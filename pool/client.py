@@ -114,10 +114,10 @@ class PoolClient:
         self._epoch = reply.epoch
         return reply
 
-    def _join(self, info: dict[str, Any], rank: int | None) -> None:
+    def _join(self, info: dict[str, Any], rank: int | None, token: str | None = None) -> None:
         windows = {self._window.medium: self._window} if self._window is not None else {}
         self.fabric = Fabric.join(
-            info["rendezvous"], self.platform, windows, rank=rank, config=gva_config(info)
+            info["rendezvous"], self.platform, windows, rank=rank, config=gva_config(info), token=token
         )
         self.rank = self.fabric.rank
         self.fabric.on_evicted(lambda why: log.info("pool rank %s left the fabric: %s", self.rank, why))
@@ -156,22 +156,39 @@ class PoolClient:
         self._attach(self._call(p.Info()).data)
 
     def _on_restart(self, epoch: int) -> None:
-        """The meta service restarted: rejoin its fabric (same rank, same window) and
-        re-register the objects this client's window holds."""
+        """The meta service restarted: rejoin its fabric and re-register the objects this
+        client's window holds. A client with a window reclaims its rank with its previous
+        token (the restarted daemon reserved the rank for it, so a client that rejoins
+        first cannot take it); if the rank went to someone else anyway its objects are
+        dropped, never re-registered at addresses of another rank. The new epoch is
+        recorded by the caller only after this returns, so a catch-up that fails half-way
+        is tried again on the next call."""
         log.warning("pool meta service restarted (epoch %x -> %x); rejoining", self._epoch, epoch)
-        self._epoch = epoch
         info = self.transport.call(p.Info()).data
         if self.fabric is not None:
+            token = self.fabric.token
             try:
                 self.fabric.leave()
             except Exception as e:  # noqa: BLE001 - its store died with the old service
                 log.debug("leaving the old fabric: %s", e)
-            self._join(info, rank=self.rank if self._window is not None else None)
+            if self._window is None:
+                self._join(info, rank=None)
+            else:
+                try:
+                    self._join(info, rank=self.rank, token=token)
+                except ValueError as e:
+                    log.warning(
+                        "pool rank %s not reclaimed after the restart (%s); its window's objects are dropped",
+                        self.rank,
+                        e,
+                    )
+                    self.writer.forget()
+                    self._join(info, rank=None)
         items = self.writer.owned_items()
         if items:
             keys = [k for k, _ in items]
-            gv, sz, gn = zip(*(v for _, v in items))
-            self.transport.call(p.Reregister(keys, list(gv), list(sz), list(gn)))
+            gv, sz, gn, sm = zip(*(v for _, v in items))
+            self.transport.call(p.Reregister(keys, list(gv), list(sz), list(gn), list(sm)))
         self._attach(info)
 
     def in_own_window(self, gva: int) -> bool:

@@ -11,11 +11,16 @@ that expires leases.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from kvfabric.platform import shm
 from kvfabric.platform.base import Platform
@@ -26,74 +31,138 @@ from kvfabric.pool import table as tbl
 from kvfabric.pool.client import PoolClient, gva_config
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.dispatch import Dispatcher
-from kvfabric.pool.gva.fabric import Fabric
+from kvfabric.pool.gva import membership
+from kvfabric.pool.gva.fabric import Fabric, MembershipChange
 from kvfabric.pool.gva.rendezvous.server import RendezvousServer
+from kvfabric.pool.gva.segments import Reservation, SegmentTable
 from kvfabric.pool.meta import MetaService
 from kvfabric.pool.rpc import LocalTransport
 from kvfabric.pool.windows import FixedStride
 
 log = logging.getLogger("kvfabric.pool")
 
+RECLAIM_GRACE_S = 600.0  # a rank with a window stays reserved this long after a restart
+
+
+class StartStage(enum.Enum):
+    """The stages of a daemon's start-up, in order (``PoolDaemon`` runs the first and the
+    last two, ``PoolNode`` the others). The start calls its checkpoint after each; a start
+    that stops at any of them (a signal, an error) leaves no segment it created behind."""
+
+    LOCKED = "locked"  # the socket and pool-name locks are held; nothing allocated yet
+    WINDOW = "window"  # the named DRAM window exists
+    TABLE = "table"  # the directory table exists
+    RENDEZVOUS = "rendezvous"  # the pool's rendezvous store serves
+    PRETOUCH = "pretouch"  # after each 64 MiB of the window faulted in
+    FABRIC = "fabric"  # rank 0 joined; ranks of the previous run reserved
+    ADOPTED = "adopted"  # old directory tables retired, own objects rebuilt
+    RPC = "rpc"  # RPC listens
+    HTTP = "http"  # the HTTP endpoint listens (or none is configured)
+
+
+Checkpoint = Callable[[StartStage], None]
+
+
+def _no_checkpoint(stage: StartStage) -> None:
+    pass
+
+
+class _RanksFile(msgspec.Struct, frozen=True):
+    """``<socket>.ranks``: the ranks with windows, kept current while the daemon runs, so
+    the next start can reserve them for their owners (``until`` 0: from that start on)."""
+
+    pool: str
+    ranks: tuple[Reservation, ...] = ()
+
 
 class PoolNode:
     """See module docstring. ``close()`` leaves the fabric and releases the rendezvous
-    server, the table, the window and the platform (if the node created it)."""
+    server, the table, the window and the platform (if the node created it).
+
+    Persistent nodes (the daemon's): the window and the table are named segments. A start
+    that fails (``serving`` still False at ``close()``) removes the segments it created
+    and leaves those it found (a crashed daemon's window, and its table until this start
+    rebuilt from it), so the next start finds the pool as this one did; a stop after
+    serving removes both. ``checkpoint`` is called after each :class:`StartStage`; it may
+    raise to abandon the start (the daemon's signal handling does)."""
 
     def __init__(
-        self, config: PoolConfig | None = None, platform: Platform | None = None, persistent: bool = False
+        self,
+        config: PoolConfig | None = None,
+        platform: Platform | None = None,
+        persistent: bool = False,
+        checkpoint: Checkpoint | None = None,
     ) -> None:
         self.config = config or PoolConfig()
         self.persistent = persistent
+        self.serving = not persistent  # the daemon sets it once its whole start succeeded
         self._own_platform = platform is None
-        self.platform = platform or create_platform()
         self.addressing = FixedStride()
+        self._closed = False
+        self._stage = checkpoint or _no_checkpoint
         self.window: Buffer | None = None
+        self.table: tbl.TableView | None = None
         self.rdv: RendezvousServer | None = None
         self.fabric: Fabric | None = None
         self._tmpdir: str | None = None
+        self._window_found = False  # the named window existed before this start
+        self._tables_adopted = False  # the old tables are gone: the new one holds the pool
+        self._reserved: dict[int, Reservation] = {}
+        self._ranks_lock = threading.Lock()
         self.rebuilt = 0
-        adopted = False
-        if persistent and self.config.dram:
-            self.window, created = self.platform.alloc_named(self._name("window"), self.config.dram)
-            adopted = not created
-        epoch = int.from_bytes(os.urandom(8), "little") | 1
-        self.table = tbl.create(
-            self.config.max_objects, name=self._name(f"table.{epoch:016x}") if persistent else None
-        )
+        self.platform = platform or create_platform()
         try:
-            self.service = MetaService(self.config, self.table, self.addressing)
-            url = self.config.rendezvous or self._start_rendezvous()
-            self.dispatcher = Dispatcher(
-                self.service,
-                self.table.epoch,
-                {
-                    "table": self.table.seg.name,
-                    "table_bytes": self.table.seg.nbytes,
-                    "name": self.config.name,
-                    "platform": self.platform.name,
-                    "stride": self.addressing.stride,
-                    "rendezvous": url,
-                    "namespace": f"kvfabric/pool/{self.config.name}",
-                    "transports": self.config.transports,
-                    "session_ttl_s": self.config.session_ttl_s,
-                },
-            )
-            if self.config.dram:
-                if self.window is None:
-                    self.window = self.platform.alloc(self.config.dram, Medium.DRAM, shareable=True)
-                if self.config.pretouch and not adopted:
-                    _pretouch(self.window)
-            windows: dict[Medium, Any] = {Medium.DRAM: self.window} if self.window is not None else {}
-            self.fabric = Fabric.join(
-                url, self.platform, windows, rank=0, config=gva_config(self.dispatcher.info())
-            )
-            self.fabric.subscribe(lambda change: self.dispatcher.apply_table(change.new))
-            self.dispatcher.apply_table(self.fabric.table)
-            if persistent:
-                self.rebuilt = self._adopt_old_tables(rebuild=adopted)
+            self._start()
         except BaseException:
             self.close()
             raise
+
+    def _start(self) -> None:
+        if self.persistent and self.config.dram:
+            self.window, created = self.platform.alloc_named(self._name("window"), self.config.dram)
+            self._window_found = not created
+            self._stage(StartStage.WINDOW)
+        epoch = int.from_bytes(os.urandom(8), "little") | 1
+        self.table = tbl.create(
+            self.config.max_objects, name=self._name(f"table.{epoch:016x}") if self.persistent else None
+        )
+        self._stage(StartStage.TABLE)
+        self.service = MetaService(self.config, self.table, self.addressing)
+        url = self.config.rendezvous or self._start_rendezvous()
+        self._stage(StartStage.RENDEZVOUS)
+        self.dispatcher = Dispatcher(
+            self.service,
+            self.table.epoch,
+            {
+                "table": self.table.seg.name,
+                "table_bytes": self.table.seg.nbytes,
+                "name": self.config.name,
+                "platform": self.platform.name,
+                "stride": self.addressing.stride,
+                "rendezvous": url,
+                "namespace": f"kvfabric/pool/{self.config.name}",
+                "transports": self.config.transports,
+                "session_ttl_s": self.config.session_ttl_s,
+            },
+        )
+        if self.config.dram:
+            if self.window is None:
+                self.window = self.platform.alloc(self.config.dram, Medium.DRAM, shareable=True)
+            if self.config.pretouch and not self._window_found:
+                _pretouch(self.window, lambda: self._stage(StartStage.PRETOUCH))
+        windows: dict[Medium, Any] = {Medium.DRAM: self.window} if self.window is not None else {}
+        self.fabric = Fabric.join(
+            url, self.platform, windows, rank=0, config=gva_config(self.dispatcher.info())
+        )
+        self.fabric.subscribe(self._on_change)
+        self.dispatcher.apply_table(self.fabric.table)
+        if self.persistent:
+            self._reserve_ranks()
+        self._stage(StartStage.FABRIC)
+        if self.persistent:
+            self.rebuilt = self._adopt_old_tables(rebuild=self._window_found)
+            self._tables_adopted = True
+        self._stage(StartStage.ADOPTED)
 
     def _name(self, what: str) -> str:
         return f"pool-{self.config.name}-{what}"
@@ -130,6 +199,7 @@ class PoolNode:
                 shm.unlink_named(name[len(shm.NAMED) :])
                 continue
             old.retire()
+            self._fence_from(old)
             if rebuild:
                 rebuilt += self._rebuild_from(old)
             old.close()
@@ -156,19 +226,115 @@ class PoolNode:
         keys = [old.key_of(int(i)) for i in live]
         with self.dispatcher.lock:
             st = self.service.reregister(
-                keys, s["gva"][live].tolist(), s["size"][live].tolist(), s["gen"][live].tolist()
+                keys,
+                s["gva"][live].tolist(),
+                s["size"][live].tolist(),
+                s["gen"][live].tolist(),
+                s["csum"][live].tolist(),
             )
         return sum(1 for x in st if x == 0)
+
+    def _fence_from(self, old: tbl.TableView) -> None:
+        """Fence every extent the previous service had handed out but not published (or had
+        fenced itself): its writer may still be copying (``pool/fence.py``)."""
+        import numpy as np
+
+        s = old.slots
+        busy = (s["hash"] != 0) & np.isin(
+            s["state"], [int(tbl.SlotState.ALLOCATED), int(tbl.SlotState.REMOVING)]
+        )
+        idx = np.flatnonzero(busy)
+        if idx.size:
+            with self.dispatcher.lock:
+                n = self.service.fence.adopt(
+                    s["gva"][idx].tolist(), s["size"][idx].tolist(), self.service.clock()
+                )
+            log.warning(
+                "pool %r restarted: %d extent(s) the previous service had handed out stay fenced for %.0f s "
+                "(%d in windows not rejoined yet)",
+                self.config.name,
+                idx.size,
+                self.config.fence_grace_s,
+                idx.size - n,
+            )
+
+    # ------------------------------------------------------------------ ranks across restarts
+    def _ranks_path(self) -> str:
+        return self.config.socket + ".ranks"
+
+    def _on_change(self, change: MembershipChange) -> None:
+        self.dispatcher.apply_table(change.new)
+        if self.persistent:
+            self._save_ranks(change.new)
+
+    def _reserve_ranks(self) -> None:
+        """Reserve, for their owners, the ranks that had windows when the previous daemon
+        of this socket last saw them (``<socket>.ranks``): their objects' addresses carry
+        those ranks, and a client that rejoins first must not take one. Owners on this node
+        whose process is gone are skipped; the others lapse after ``RECLAIM_GRACE_S``."""
+        assert self.fabric is not None
+        path = self._ranks_path()
+        try:
+            with open(path, "rb") as f:
+                saved = msgspec.json.decode(f.read(), type=_RanksFile)
+        except FileNotFoundError:
+            saved = _RanksFile(self.config.name)
+        except (OSError, msgspec.DecodeError) as e:
+            log.warning("ignoring the unreadable rank file %s: %s", path, e)
+            saved = _RanksFile(self.config.name)
+        now = time.time()
+        keep = []
+        for r in saved.ranks if saved.pool == self.config.name else ():
+            until = r.until or now + RECLAIM_GRACE_S
+            if r.rank <= 0 or until <= now or (r.node == self.fabric.node and not shm.process_alive(r.pid)):
+                continue
+            keep.append(Reservation(r.rank, r.digest, until, r.node, r.pid))
+        with self._ranks_lock:
+            self._reserved = {r.rank: r for r in keep}
+        if keep:
+            membership.reserve(self.fabric.store, self.fabric.config.namespace, keep)
+            log.info(
+                "pool %r: rank(s) %s reserved for their owners until they rejoin",
+                self.config.name,
+                ", ".join(str(r.rank) for r in keep),
+            )
+        self._save_ranks(self.fabric.table)
+
+    def _save_ranks(self, table: SegmentTable) -> None:
+        """Write the ranks with windows (and the reservations not yet reclaimed) to
+        ``<socket>.ranks``, atomically (rename)."""
+        members = {
+            m.rank: Reservation(m.rank, membership.token_digest(m.token), 0.0, m.node, m.pid)
+            for m in table.members
+            if m.rank > 0 and m.windows
+        }
+        now = time.time()
+        with self._ranks_lock:
+            for rank in members:
+                self._reserved.pop(rank, None)  # reclaimed: the member record supersedes it
+            waiting = [r for r in self._reserved.values() if r.until > now]
+            ranks = tuple(sorted([*members.values(), *waiting], key=lambda r: r.rank))
+            path = self._ranks_path()
+            tmp = f"{path}.{os.getpid()}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(msgspec.json.encode(_RanksFile(self.config.name, ranks)))
+                os.replace(tmp, path)
+            except OSError as e:
+                log.warning("could not record the pool's ranks in %s: %s", path, e)
 
     def client(self, **kwargs: Any) -> PoolClient:
         """An in-process client (calls go straight to the dispatcher; it joins the fabric)."""
         return PoolClient(LocalTransport(self.dispatcher), self.platform, **kwargs)
 
     def close(self) -> None:
-        """Release everything the node holds. Idempotent."""
-        if getattr(self, "_closed", False):
+        """Release everything the node holds (see the class docstring for which named
+        segments a failed start keeps). Idempotent; safe on a half-built node."""
+        if self._closed:
             return
         self._closed = True
+        keep_window = self.persistent and not self.serving and self._window_found
+        keep_table = keep_window and self._tables_adopted
         if self.fabric is not None:
             self.fabric.leave()
         if self.rdv is not None:
@@ -179,28 +345,28 @@ class PoolNode:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
         if self.window is not None and not self.window.freed:
             self.platform.free(self.window)
-            if self.persistent:
+            if self.persistent and not keep_window:
                 self.platform.unlink_named(self._name("window"))
-        seg = self.table.seg
-        self.table.close()
-        if seg.owner:
-            seg.unlink()
-        else:
-            shm.unlink_named(seg.name[len(shm.NAMED) :])
+        if self.table is not None:
+            seg = self.table.seg
+            self.table.close()
+            if seg.owner:
+                seg.unlink()
+            elif not keep_table:
+                shm.unlink_named(seg.name[len(shm.NAMED) :])
         if self._own_platform:
             self.platform.close()
 
 
-def _pretouch(buf: Buffer) -> None:
+def _pretouch(buf: Buffer, step_done: Callable[[], None]) -> None:
     """Fault the window's pages in once now, not on the first puts (first touch of fresh
-    shared memory runs below 1 GB/s)."""
-    import time
-
+    shared memory runs below 1 GB/s). ``step_done`` after each 64 MiB (a checkpoint)."""
     t0 = time.perf_counter()
     view = buf.numpy()
     step = 64 << 20
     for off in range(0, buf.nbytes, step):
         view[off : off + step] = 0
+        step_done()
     log.info("pre-touched the %d MiB DRAM window in %.2f s", buf.nbytes >> 20, time.perf_counter() - t0)
 
 

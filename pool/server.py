@@ -96,6 +96,7 @@ class RpcServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._bound: os.stat_result | None = None
 
     def start(self) -> None:
         if os.path.exists(self.socket_path):
@@ -105,6 +106,7 @@ class RpcServer:
             unix = Listener(self.socket_path, family="AF_UNIX", backlog=128)
         finally:
             os.umask(old)
+        self._bound = os.stat(self.socket_path)
         os.chmod(self.socket_path, 0o600)
         self._listeners.append(unix)
         if self.tcp is not None:
@@ -196,8 +198,9 @@ class RpcServer:
                 pass
         for t in self._threads:
             t.join(2)
-        try:
-            os.unlink(self.socket_path)
+        try:  # only the socket file this server bound, never one that replaced it
+            if self._bound is not None and os.path.samestat(self._bound, os.stat(self.socket_path)):
+                os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
 
