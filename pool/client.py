@@ -38,12 +38,13 @@ import numpy as np
 from kvfabric.errors import KeyNotFound, LeaseExpired, OutOfSpace, TransferFailed
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
+from kvfabric.platform.procmaps import check_mapped
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
 from kvfabric.pool.dataplane import FabricDataPlane
 from kvfabric.pool.gva.config import GvaConfig
 from kvfabric.pool.gva.fabric import Fabric
-from kvfabric.pool.keys import encode_key, encode_keys
+from kvfabric.pool.keys import check_int, encode_key, encode_keys
 from kvfabric.pool.reads import Reader
 from kvfabric.pool.rpc import Transport
 from kvfabric.pool.status import Status
@@ -231,7 +232,11 @@ class PoolClient:
 
     # ------------------------------------------------------------------ buffers
     def register_buffer(self, ptr: int, nbytes: int) -> Buffer:
-        """Make caller memory usable by the zero-copy calls (pinned on device platforms)."""
+        """Make caller memory usable by the zero-copy calls (pinned on device platforms).
+        ``ValueError`` naming the argument when ``[ptr, ptr + nbytes)`` is not memory mapped
+        readable in this process (checked once here, so a bogus address never reaches a copy)."""
+        ptr, nbytes = check_int(ptr, "ptr", 1), check_int(nbytes, "nbytes", 1)
+        check_mapped(ptr, nbytes, f"register_buffer(ptr={ptr:#x}, nbytes={nbytes})")
         return self.platform.register_host(ptr, nbytes)
 
     def unregister_buffer(self, buf: Buffer) -> None:
@@ -265,15 +270,16 @@ class PoolClient:
         return self.writer.batch_put_from_layers(keys, ptrs, sizes)
 
     def put_from_layers(self, key: str, ptrs: Any, sizes: Any) -> Status:
-        return _raise_put(
-            key, Status(int(self.writer.batch_put_from_layers([key], u64(ptrs)[None, :], u64(sizes))[0]))
-        )
+        P, S = u64(ptrs, "ptrs")[None, :], u64(sizes, "sizes", positive=True)
+        return _raise_put(key, Status(int(self.writer.batch_put_from_layers([key], P, S)[0])))
 
     def batch_put_from(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
-        return self.writer.batch_put_from_layers(keys, u64(ptrs)[:, None], u64(sizes)[:, None])
+        P, S = u64(ptrs, "ptrs")[:, None], u64(sizes, "sizes", positive=True)[:, None]
+        return self.writer.batch_put_from_layers(keys, P, S)
 
     def put_from(self, key: str, ptr: int, nbytes: int) -> Status:
-        return _raise_put(key, self.writer.put_one(key, int(ptr), int(nbytes)))
+        ptr, nbytes = check_int(ptr, "ptr", 1), check_int(nbytes, "nbytes", 1)
+        return _raise_put(key, self.writer.put_one(key, ptr, nbytes))
 
     def batch_put(self, keys: Sequence[str], values: Sequence[bytes]) -> np.ndarray:
         return self.writer.batch_put(keys, values)
@@ -285,20 +291,21 @@ class PoolClient:
     # ------------------------------------------------------------------ gets
     def get_into(self, key: str, ptr: int, nbytes: int) -> int:
         """Copy the object into ``[ptr, ptr + nbytes)``; its size. ``KeyNotFound`` if absent."""
-        return self._read(self.reader.get_into, encode_key(key), int(ptr), int(nbytes))
+        ptr, nbytes = check_int(ptr, "ptr", 1), check_int(nbytes, "nbytes", 1)
+        return self._read(self.reader.get_into, encode_key(key), ptr, nbytes)
 
     def get_into_layers(self, key: str, ptrs: Any, sizes: Any) -> int:
-        return self._read(self.reader.get_into_layers, encode_key(key), u64(ptrs), u64(sizes))
+        P, S = u64(ptrs, "ptrs"), u64(sizes, "sizes", positive=True)
+        return self._read(self.reader.get_into_layers, encode_key(key), P, S)
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
-        return self._read(
-            self.reader.batch_get_into_layers, encode_keys(keys), u64(ptrs)[:, None], u64(sizes)[:, None]
-        )
+        P, S = u64(ptrs, "ptrs")[:, None], u64(sizes, "sizes", positive=True)[:, None]
+        return self._read(self.reader.batch_get_into_layers, encode_keys(keys), P, S)
 
     def batch_get_into_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
         kb = encode_keys(keys)
-        P = np.asarray(ptrs, dtype=np.uint64).reshape(len(kb), -1)
-        S = np.asarray(sizes, dtype=np.uint64)
+        P = u64(ptrs, "ptrs").reshape(len(kb), -1)
+        S = u64(sizes, "sizes", positive=True).reshape(np.shape(sizes))
         S = np.broadcast_to(S, P.shape) if S.ndim == 1 else S
         return self._read(self.reader.batch_get_into_layers, kb, P, S)
 

@@ -96,8 +96,11 @@ class FabricDataPlane:
     def check_user(self, ptrs: np.ndarray, sizes: np.ndarray) -> bool:
         """Check caller ranges lie in platform buffers; True when all are host-addressable."""
         host = True
-        for p, n in zip(ptrs.tolist(), sizes.tolist()):
-            host = self.check_user_one(p, n) and host
+        for i, (p, n) in enumerate(zip(ptrs.tolist(), sizes.tolist())):
+            try:
+                host = self.check_user_one(p, n) and host
+            except ValueError as e:
+                raise ValueError(f"ptrs[{i}] = {p:#x} (sizes[{i}] = {n}): {e}") from None
         return host
 
     def check_user_one(self, ptr: int, n: int) -> bool:

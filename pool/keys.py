@@ -131,6 +131,8 @@ def as_u64(values: Any, name: str, positive: bool = False) -> np.ndarray:
     numpy would wrap or truncate (negatives, fractions, bools, values past 2**64 - 1) with a
     ``ValueError`` naming ``name`` and the first bad index. ``positive``: 0 is refused too."""
     a = np.asarray(values)
+    if a.dtype.kind == "f" and not isinstance(values, np.ndarray):
+        a = np.asarray(values, dtype=object)  # Python ints past 2**63 turn numpy to float
     lo = 1 if positive else 0
     if a.dtype.kind == "u" and a.dtype.itemsize <= 8:
         out = a.astype(np.uint64, copy=False).reshape(-1)

@@ -19,15 +19,17 @@ import numpy as np
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
 from kvfabric.pool.dataplane import require
-from kvfabric.pool.keys import encode_keys
+from kvfabric.pool.keys import U64_MAX, as_u64, check_count, check_sizes, encode_keys
 from kvfabric.pool.status import Status
 
 if TYPE_CHECKING:
     from kvfabric.pool.client import PoolClient
 
 
-def u64(values: Any) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(values, dtype=np.uint64).reshape(-1))
+def u64(values: Any, name: str = "values", positive: bool = False) -> np.ndarray:
+    """Caller addresses or sizes as a flat uint64 array; ``ValueError`` naming ``name`` and
+    the first bad index for what numpy would wrap or truncate (see ``keys.as_u64``)."""
+    return as_u64(values, name, positive)
 
 
 class Writer:
@@ -47,11 +49,10 @@ class Writer:
         medium: Medium | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         kb = encode_keys(keys)
-        sz = [int(s) for s in sizes]
+        sz = check_sizes(as_u64(sizes, "sizes", positive=True).tolist())
         if len(sz) != len(kb):
             raise ValueError(f"batch_alloc: {len(kb)} keys but {len(sz)} sizes")
-        if any(s <= 0 for s in sz):
-            raise ValueError("batch_alloc: sizes must be > 0")
+        check_count(kb, "keys")
         c = self.c
         c._require_data()
         r = c._call(
@@ -64,7 +65,7 @@ class Writer:
         return np.array(r.status, np.int8), np.array(r.gvas, np.uint64)
 
     def write(self, gvas: Any, ptrs: Any, sizes: Any) -> None:
-        g, src, n = u64(gvas), u64(ptrs), u64(sizes)
+        g, src, n = u64(gvas, "gvas"), u64(ptrs, "ptrs"), u64(sizes, "sizes", positive=True)
         if not (g.size == src.size == n.size):
             raise ValueError(f"write: {g.size} gvas, {src.size} ptrs, {n.size} sizes")
         self.c.dp.check_user(src, n)
@@ -86,15 +87,15 @@ class Writer:
 
     def batch_put_from_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
         kb = encode_keys(keys)
-        P = np.asarray(ptrs, dtype=np.uint64)
+        P = u64(ptrs, "ptrs").reshape(np.shape(ptrs))
         if P.ndim == 1:
             P = P.reshape(len(kb), -1)
-        S = np.asarray(sizes, dtype=np.uint64)
+        S = u64(sizes, "sizes", positive=True).reshape(np.shape(sizes))
         S = np.broadcast_to(S, P.shape) if S.ndim == 1 else S
         if P.shape[0] != len(kb) or S.shape != P.shape:
             raise ValueError(f"ptrs {P.shape} / sizes {S.shape} do not match {len(kb)} keys")
-        if (S == 0).any():
-            raise ValueError("piece sizes must be > 0")
+        if S.size and int(S.max()) > U64_MAX // S.shape[1]:
+            raise ValueError(f"sizes: the {S.shape[1]} pieces of an object add up past 2**64 - 1 B")
         self.c.dp.check_user(P.reshape(-1), S.reshape(-1))
         st, gvas = self.batch_alloc(keys, S.sum(axis=1).tolist())
         ok = st == Status.OK
