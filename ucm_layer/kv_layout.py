@@ -13,6 +13,16 @@ layer by layer (``layer_slices``), so a layer-wise transfer takes a column range
 Nothing here imports torch: tensors are read through ``shape``, ``stride()``,
 ``element_size()`` and ``data_ptr()``. The layout only describes memory; it owns none
 (the caller keeps the tensors alive and makes them addressable on its platform).
+
+:attr:`KVLayout.signature` names what the bytes of a stored block *mean*, without
+addresses, strides or the block count: per layer and tensor the dtype, where the block
+dimension is, how many kernel blocks make one block, and the other dimensions in the
+order the bytes run through them (physical order). A store holds a block as its pieces
+in order, so two engines whose signatures match store the same bytes for the same KV
+and may share blocks; any difference (another dimension order, dtype, head count, layer
+count) means they may not. :class:`TensorGeometry` lets a caller that has no tensors
+(vLLM's scheduler role) describe the ones an engine will allocate and get the
+signature those would have (see ``connector/compat.py``, docs/hashing.md).
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ class KVLayout:
     stride: np.ndarray  # (m,) uint64: bytes between consecutive blocks
     size: np.ndarray  # (m,) uint64: bytes of the piece
     layer_slices: tuple[tuple[int, int], ...]  # per layer: [start, stop) piece columns
-    description: str  # shapes, strides and dtypes (for the block-id fingerprint)
+    description: str  # shapes, strides and dtypes (for logs and errors)
+    signature: str = ""  # what a stored block's bytes mean (see the module docstring)
 
     def __post_init__(self) -> None:
         m = self.base.size
@@ -92,8 +103,38 @@ class KVLayout:
         return self.base[cols][None, :] + ids[:, None] * self.stride[cols][None, :]
 
     def fingerprint(self) -> bytes:
-        """16 bytes naming the byte layout of a block (not its addresses)."""
-        return hashlib.blake2b(self.description.encode(), digest_size=16).digest()
+        """16 bytes naming the meaning of a stored block's bytes: BLAKE2b-128 of
+        :attr:`signature` (independent of addresses, strides and the block count)."""
+        return hashlib.blake2b(self.signature.encode(), digest_size=16, person=b"kvf-layout-v1").digest()
+
+
+@dataclass(frozen=True)
+class TensorGeometry:
+    """Shape, strides (in elements) and dtype of a tensor that is not allocated (yet).
+
+    Reads like a tensor to :func:`layout_from_tensors` (``data_ptr()`` is 0), so a role
+    without the KV tensors gets the :attr:`KVLayout.signature` of the ones an engine
+    allocates from the same shapes and strides."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.strides) or not self.shape:
+            raise ValueError(f"TensorGeometry needs a stride per dimension, got {self.shape} {self.strides}")
+        if self.itemsize < 1:
+            raise ValueError(f"TensorGeometry.itemsize must be >= 1, got {self.itemsize}")
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+    def element_size(self) -> int:
+        return self.itemsize
+
+    def data_ptr(self) -> int:
+        return 0
 
 
 def _runs(shape: Sequence[int], strides: Sequence[int]) -> tuple[np.ndarray, int]:
@@ -137,8 +178,18 @@ def _block_dim(t: Any, num_blocks: int, block_stride: int | None) -> tuple[int, 
     )
 
 
-def _tensor_pieces(t: Any, num_blocks: int, block_stride: int | None) -> tuple[np.ndarray, int, int, str]:
-    """``(offsets in bytes from data_ptr, piece bytes, block stride bytes, description)``."""
+def _tensor_signature(shape: Sequence[int], strides: Sequence[int], dtype: str, d: int, k: int) -> str:
+    """What the bytes of one block of a tensor mean: rank, block dimension ``d``, kernel
+    blocks ``k``, dtype, and the other dimensions (``index=size``) in physical order."""
+    dims = sorted((i for i in range(len(shape)) if i != d and shape[i] != 1), key=lambda i: (-strides[i], i))
+    return f"r{len(shape)}d{d}k{k}:{dtype}:" + ",".join(f"{i}={shape[i]}" for i in dims)
+
+
+def _tensor_pieces(
+    t: Any, num_blocks: int, block_stride: int | None
+) -> tuple[np.ndarray, int, int, str, str]:
+    """``(offsets in bytes from data_ptr, piece bytes, block stride bytes, description,
+    signature)``."""
     d, k = _block_dim(t, num_blocks, block_stride)
     shape, strides, esz = list(t.shape), list(t.stride()), int(t.element_size())
     kstride = strides[d]
@@ -147,8 +198,20 @@ def _tensor_pieces(t: Any, num_blocks: int, block_stride: int | None) -> tuple[n
     offs, run = _runs(sub_shape, sub_strides)
     if k > 1:  # one engine block spans k consecutive kernel blocks
         offs = (np.arange(k, dtype=np.int64)[:, None] * kstride + offs[None, :]).reshape(-1)
-    desc = f"{tuple(shape)}/{tuple(strides)}/{getattr(t, 'dtype', esz)}/d{d}k{k}"
-    return offs * esz, run * esz, kstride * k * esz, desc
+    dtype = str(getattr(t, "dtype", f"{esz}B"))
+    desc = f"{tuple(shape)}/{tuple(strides)}/{dtype}/d{d}k{k}"
+    return offs * esz, run * esz, kstride * k * esz, desc, _tensor_signature(shape, strides, dtype, d, k)
+
+
+def _run_length(items: Sequence[str]) -> str:
+    """``"4*[a] 1*[b]"`` for ``a, a, a, a, b`` (order kept)."""
+    out: list[tuple[str, int]] = []
+    for it in items:
+        if out and out[-1][0] == it:
+            out[-1] = (it, out[-1][1] + 1)
+        else:
+            out.append((it, 1))
+    return " ".join(f"{n}*[{it}]" for it, n in out)
 
 
 def layout_from_tensors(
@@ -166,21 +229,24 @@ def layout_from_tensors(
         raise ValueError("no KV cache tensors to describe")
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-    base, stride, size, slices, descs = [], [], [], [], []
+    base, stride, size, slices, descs, sigs = [], [], [], [], [], []
     for name, value in kv_caches.items():
         tensors = list(value) if isinstance(value, (tuple, list)) else [value]
         if not tensors or not all(hasattr(t, "data_ptr") and hasattr(t, "stride") for t in tensors):
             raise TypeError(f"KV cache of layer {name!r} must be a tensor or a tuple of tensors")
         start = len(size)
         hint = (block_strides or {}).get(name) if len(tensors) == 1 else None
+        layer_sig = []
         for t in tensors:
-            offs, piece, bstride, desc = _tensor_pieces(t, num_blocks, hint)
+            offs, piece, bstride, desc, sig = _tensor_pieces(t, num_blocks, hint)
             ptr = int(t.data_ptr())
             base += [ptr + int(o) for o in offs]
             stride += [bstride] * offs.size
             size += [piece] * offs.size
             descs.append(desc)
+            layer_sig.append(sig)
         slices.append((start, len(size)))
+        sigs.append("+".join(layer_sig))
     return KVLayout(
         layer_names=tuple(kv_caches),
         num_blocks=num_blocks,
@@ -189,4 +255,5 @@ def layout_from_tensors(
         size=np.array(size, np.uint64),
         layer_slices=tuple(slices),
         description=f"{len(kv_caches)} layers: " + ";".join(dict.fromkeys(descs)),
+        signature=_run_length(sigs),
     )

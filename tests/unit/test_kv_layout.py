@@ -91,3 +91,38 @@ def test_bad_inputs_are_named():
         lay.addrs([4])
     assert lay.addrs(np.array([0, 3])).shape == (2, 1)
     assert len(lay.fingerprint()) == 16
+
+
+def test_signature_names_the_meaning_of_the_bytes_not_where_they_are():
+    """Independent of addresses, block count and the padding between blocks; changed by
+    the dimension order, the dtype, the head count and the layer count."""
+    from kvfabric.ucm_layer.kv_layout import TensorGeometry
+
+    def layers(t, n=3):
+        return {f"l{i}": t for i in range(n)}
+
+    base = layout_from_tensors(layers(torch.zeros(8, 2, 16, 32)), 8)
+    assert base.signature == "3*[r4d0k1:torch.float32:1=2,2=16,3=32]"
+    assert layout_from_tensors(layers(torch.zeros(20, 2, 16, 32)), 20).signature == base.signature
+    padded = torch.zeros(8, 2 * 16 * 32 + 64)[:, : 2 * 16 * 32].view(8, 2, 16, 32)
+    assert layout_from_tensors(layers(padded), 8).signature == base.signature
+    geometry = TensorGeometry((8, 2, 16, 32), (1024, 512, 32, 1), 4, "torch.float32")
+    assert layout_from_tensors(layers(geometry), 8).signature == base.signature
+    assert layout_from_tensors(layers(geometry), 8).fingerprint() == base.fingerprint()
+    token_major = torch.zeros(8, 16, 2, 32).permute(0, 2, 1, 3)  # same logical shape, other order
+    others = [
+        layers(token_major),
+        layers(torch.zeros(8, 2, 16, 32, dtype=torch.bfloat16)),
+        layers(torch.zeros(8, 4, 16, 16)),
+        layers(torch.zeros(8, 2, 16, 32), 4),
+    ]
+    sigs = {layout_from_tensors(c, 8).signature for c in others}
+    assert len(sigs) == len(others) and base.signature not in sigs
+    assert len({layout_from_tensors(c, 8).fingerprint() for c in others} | {base.fingerprint()}) == 5
+    mixed = {"a": torch.zeros(8, 2, 16, 32), "b": torch.zeros(8, 2, 16, 32), "c": torch.zeros(8, 4, 16, 16)}
+    assert (
+        layout_from_tensors(mixed, 8).signature.startswith("2*[")
+        and " 1*[" in layout_from_tensors(mixed, 8).signature
+    )
+    with pytest.raises(ValueError, match="a stride per dimension"):
+        TensorGeometry((8, 2), (2,), 4, "torch.float32")

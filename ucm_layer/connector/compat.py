@@ -11,7 +11,11 @@ vLLM. Differences absorbed:
   (a list of bools, older);
 * ``KVConnectorStats`` (absent before the stats API: stats are then not exported);
 * block hashes as ``bytes`` (new) or as a named tuple with ``hash_value`` (older);
-* where the TP rank and the KV cache's block strides come from.
+* where the TP rank and the KV cache's block strides come from;
+* the physical KV layout: releases that resolve one (``kv_cache_config.kv_cache_layout``,
+  vLLM's ``KVCacheLayout``) let both roles derive the geometry of the KV tensors the
+  workers will get (:func:`expected_kv_geometry`); older ones do not, and the layout is
+  then not part of the block ids (the worker says so once).
 
 Importing this module imports vLLM; ``kvfabric.ucm_layer.connector`` imports it only
 when vLLM asks for the connector class.
@@ -31,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvfabric.ucm_layer.connector.views import CachedReq, EngineInfo, NewReq, ReqView
+from kvfabric.ucm_layer.kv_layout import TensorGeometry
 
 try:  # the stats API (vLLM >= 0.11)
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -52,6 +57,7 @@ __all__ = [
     "block_ids_of",
     "cached_reqs",
     "engine_info",
+    "expected_kv_geometry",
     "is_scheduler",
     "new_reqs",
     "request_view",
@@ -158,6 +164,7 @@ def engine_info(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
         hash_block_size=hash_bs,
         num_blocks=getattr(kv_cache_config, "num_blocks", None),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        pp_size=int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1),
         use_mla=bool(getattr(model_cfg, "use_mla", False)),
         kv_producer=bool(kvt.is_kv_producer),
         kv_consumer=bool(kvt.is_kv_consumer),
@@ -165,6 +172,57 @@ def engine_info(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
         single_group=len(groups) <= 1,
         device_type=_device_type(vllm_config),
     )
+
+
+def kv_cache_layout_name(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """The physical KV cache layout vLLM resolved (``"LBHNC"``, ...), or None (older vLLM)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if not name:
+        name = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    return str(name) if name else None
+
+
+def expected_kv_geometry(
+    vllm_config: Any, kv_cache_config: Any
+) -> tuple[dict[str, TensorGeometry] | None, str]:
+    """The per-layer KV tensors the workers will be handed, as geometries, from the
+    configuration alone (both roles see the same), and the layout's name; ``(None, why)``
+    when this vLLM does not resolve a physical layout or the spec is one we cannot
+    derive. Uses vLLM's own shape and stride functions (the ones its workers allocate
+    with), in the group's layer order."""
+    name = kv_cache_layout_name(vllm_config, kv_cache_config)
+    if name is None:
+        return None, "this vLLM does not resolve a physical KV cache layout (no kv_cache_layout)"
+    try:
+        from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes, compute_layout_strides
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError as e:
+        return None, f"vLLM's KV layout functions cannot be imported ({e})"
+    aliases = {"NHD": "LBNHC", "HND": "LBHNC"}  # vLLM's legacy names
+    try:
+        layout = KVCacheLayout[aliases.get(name, name)]
+    except KeyError:
+        return None, f"unknown KV cache layout {name!r}"
+    nb = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+    specs = {n: g.kv_cache_spec for g in kv_cache_config.kv_cache_groups for n in g.layer_names}
+    by_layer: dict[str, TensorGeometry] = {}
+    try:
+        for t in kv_cache_config.kv_cache_tensors:
+            spec = specs[t.layers[0]]
+            esz = int(spec.dtype.itemsize)
+            b, h, n, c = compute_layer_kv_cache_shape_bytes(spec, nb)
+            fixed = (t.layer_stride or None, t.block_stride or None, None, None, None)
+            strides = compute_layout_strides(spec, nb, len(t.layers), layout, None, fixed)
+            if strides[-1] != 1 or c % esz or any(s % esz for s in strides[1:-1]):
+                return None, f"layout {name}: byte strides {strides} are not whole {spec.dtype} elements"
+            elem_strides = (*(s // esz for s in strides[1:-1]), 1)
+            geom = TensorGeometry((b, h, n, c // esz), elem_strides, esz, str(spec.dtype))
+            for layer in t.layers:
+                by_layer[layer] = geom
+        order = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
+        return {n: by_layer[n] for n in order}, name
+    except (AttributeError, KeyError, TypeError, ValueError, AssertionError) as e:
+        return None, f"layout {name}: the KV tensors cannot be derived from kv_cache_config ({e!r})"
 
 
 def _device_type(vllm_config: Any) -> str:

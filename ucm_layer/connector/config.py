@@ -93,8 +93,9 @@ class ConnectorConfig:
 
     def resolved(self, kv_on_host: bool) -> ConnectorConfig:
         """This config with ``delegator`` decided: ``auto`` is on unless the KV cache is host
-        memory. Scheduler and workers resolve it from the same engine config, so both agree
-        on the block ids (``delegator`` is part of the fingerprint)."""
+        memory. The switch is not part of the block ids: on or off, a store keeps a block's
+        pieces in the same order (see docs/hashing.md), so blocks dumped one way load the
+        other way."""
         if self.delegator is not None:
             return self
         return replace(self, delegator=not kv_on_host)

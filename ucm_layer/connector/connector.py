@@ -12,8 +12,11 @@ or by name alone once the ``vllm.general_plugins`` entry point registered it (se
 ``compat.py`` and hands plain values to :class:`SchedulerSide` (scheduler role) and
 :class:`WorkerSide` (worker role); the step plan travels inside
 :class:`KVFabricMetadata`. Block ids come from vLLM's own chained
-``request.block_hashes`` re-keyed by a fingerprint of the model and the KV layout, so two
-configurations never share a block.
+``request.block_hashes`` re-keyed by a fingerprint of the model, the KV cache spec and
+the physical KV layout, so two configurations never share a block. Both roles derive
+the layout from vLLM's configuration (``compat.expected_kv_geometry``); the worker
+checks, when vLLM hands it the KV tensors, that they are laid out that way and refuses
+to start if not. Pipeline parallelism is refused at start-up (``check_engine``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kvfabric.ucm_layer.connector.plan import StepPlan
 from kvfabric.ucm_layer.connector.scheduler import SchedulerSide
 from kvfabric.ucm_layer.connector.tracing import Tracer
 from kvfabric.ucm_layer.connector.worker import WorkerSide
+from kvfabric.ucm_layer.kv_layout import layout_from_tensors
 from kvfabric.ucm_layer.store.base import Store, StoreLayout
 
 log = logging.getLogger("kvfabric.connector")
@@ -75,7 +79,28 @@ else:  # pragma: no cover - vLLM without the stats API
     KVFabricStats = None  # type: ignore[assignment,misc]
 
 
-def _fingerprint(cfg: ConnectorConfig, info: compat.EngineInfo, kv_cache_config: Any) -> hashing.Fingerprint:
+def check_engine(info: compat.EngineInfo) -> None:
+    """Refuse, at start-up and with the fix, the engine configurations kvfabric cannot serve."""
+    if info.pp_size > 1:
+        raise ValueError(
+            f"kvfabric does not support pipeline parallelism (pipeline_parallel_size="
+            f"{info.pp_size}): each stage holds other layers of a block, and block ids are per "
+            "tensor-parallel rank only. Run with pipeline_parallel_size=1 (tensor parallelism "
+            "is supported) or without kvfabric"
+        )
+    if not info.single_group:
+        raise ValueError(
+            "kvfabric supports models with one KV cache group (full attention); "
+            "this model has several (sliding window / hybrid): run it with "
+            "--disable-hybrid-kv-cache-manager or without kvfabric"
+        )
+
+
+def kv_layout_key(kv_cache_config: Any, signature: str | None, layerwise: bool) -> str:
+    """The ``kv_layout`` field of the fingerprint (see docs/hashing.md, "The connector's
+    fingerprint"): the KV cache spec of each group, the signature of the physical layout
+    (``?`` when this vLLM cannot say), and whether blocks are stored layer by layer. Not
+    the Delegator: it changes how the pieces travel, not the bytes the store keeps."""
     specs = []
     for g in getattr(kv_cache_config, "kv_cache_groups", None) or []:
         s = g.kv_cache_spec
@@ -83,10 +108,13 @@ def _fingerprint(cfg: ConnectorConfig, info: compat.EngineInfo, kv_cache_config:
             f"{type(s).__name__}:{getattr(s, 'num_kv_heads', '?')}x{getattr(s, 'head_size', '?')}"
             f":{getattr(s, 'dtype', '?')}:{len(g.layer_names)}L:{getattr(s, 'page_size_bytes', '?')}"
         )
-    layout = ";".join(specs) or "unknown"
-    if cfg.delegator is None:
-        raise ValueError("the connector config must be resolved (delegator: auto) before fingerprinting")
-    layout += f"|delegator={int(cfg.delegator)}|layerwise={int(cfg.layerwise)}"
+    return f"{';'.join(specs) or 'unknown'}|phys={signature or '?'}|layerwise={int(layerwise)}"
+
+
+def _fingerprint(
+    cfg: ConnectorConfig, info: compat.EngineInfo, kv_cache_config: Any, signature: str | None
+) -> hashing.Fingerprint:
+    layout = kv_layout_key(kv_cache_config, signature, cfg.layerwise)
     return hashing.Fingerprint(info.model, info.dtype, layout, info.block_size, info.tp_size)
 
 
@@ -111,12 +139,7 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         self.cfg = load_config(kvt.kv_connector_extra_config).resolved(self.info.device_type == "cpu")
         self.is_scheduler = compat.is_scheduler(role)
         self.cfg.log_once("scheduler" if self.is_scheduler else "worker")
-        if not self.info.single_group:
-            raise ValueError(
-                "kvfabric supports models with one KV cache group (full attention); "
-                "this model has several (sliding window / hybrid): run it with "
-                "--disable-hybrid-kv-cache-manager or without kvfabric"
-            )
+        check_engine(self.info)
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
                 "kvfabric: kv_load_failure_policy is %r; set it to 'recompute' so a block that fails "
@@ -126,7 +149,15 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         self.platform: Platform = (
             platform_registry.create(self.cfg.platform) if self.cfg.platform else platform_registry.default()
         )
-        self._hasher = hashing.BlockHasher(_fingerprint(self.cfg, self.info, kv_cache_config))
+        geometry, layout_name = compat.expected_kv_geometry(vllm_config, kv_cache_config)
+        self.expected_layout: str | None = None  # the physical layout's signature the ids cover
+        if geometry is not None and self.info.num_blocks:
+            expected = layout_from_tensors(geometry, int(self.info.num_blocks), self.info.block_strides)
+            self.expected_layout = expected.signature
+        self._layout_note = layout_name if geometry is not None else f"not covered: {layout_name}"
+        self._hasher = hashing.BlockHasher(
+            _fingerprint(self.cfg, self.info, kv_cache_config, self.expected_layout)
+        )
         self._tracer = Tracer(self.cfg.otlp_endpoint)
         self._kv_cache_config = kv_cache_config
         self._lookup_store: Store | None = None
@@ -155,6 +186,8 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
                 save=self.info.kv_producer,
                 tracer=self._tracer,
                 compute_done=self._compute_done,
+                expected_layout=self.expected_layout,
+                layout_note=self._layout_note,
             )
         _instances.add(self)
 

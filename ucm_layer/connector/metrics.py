@@ -9,6 +9,10 @@ Counters: ``lookups``, ``requested_tokens``, ``hit_tokens`` (local + external pr
 the lookups saw), ``external_hit_tokens`` (what kvfabric adds), ``loaded_blocks``,
 ``loaded_bytes``, ``load_failed_blocks``, ``saved_blocks``, ``saved_bytes``,
 ``save_failed_blocks``; latency samples ``load_s`` and ``save_s`` (seconds per batch).
+Every failed block is also counted under its reason, ``load_failed_<reason>``: the
+store's per-block status in lower case (``missing``, ``failed``, ``timeout``, ...; a
+store that checks checksums reports a mismatch as its own status, so it has its own
+counter), or ``error`` when the load raised before any block had a status.
 """
 
 from __future__ import annotations
@@ -16,6 +20,31 @@ from __future__ import annotations
 import statistics
 import threading
 from typing import Any
+
+from kvfabric.ucm_layer.store.base import BlockStatus
+
+#: reasons a block fails to load: every store status but OK and PENDING, and ``error``
+FAILURE_REASONS = (
+    *(s.name.lower() for s in BlockStatus if s not in (BlockStatus.OK, BlockStatus.PENDING)),
+    "error",
+)
+
+
+def failure_reason(status: int) -> str:
+    """The reason name of a failed block's store status (``"error"`` for an unknown code)."""
+    try:
+        name = BlockStatus(status).name.lower()
+    except ValueError:
+        return "error"
+    return name if name in FAILURE_REASONS else "error"
+
+
+def failure_counter(reason: str) -> str:
+    """The counter that counts failed loads of ``reason``."""
+    if reason not in FAILURE_REASONS:
+        raise ValueError(f"unknown load failure reason {reason!r}; known: {', '.join(FAILURE_REASONS)}")
+    return f"load_failed_{reason}"
+
 
 COUNTERS = (
     "lookups",
@@ -28,6 +57,7 @@ COUNTERS = (
     "saved_blocks",
     "saved_bytes",
     "save_failed_blocks",
+    *(failure_counter(r) for r in FAILURE_REASONS),
 )
 SAMPLES = ("load_s", "save_s")
 MAX_SAMPLES = 4096

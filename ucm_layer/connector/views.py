@@ -47,3 +47,4 @@ class EngineInfo:
     block_strides: dict[str, int]
     single_group: bool
     device_type: str = "cpu"  # where vLLM keeps the KV cache: "cpu", "cuda", "npu", ...
+    pp_size: int = 1  # pipeline-parallel stages (kvfabric refuses more than one)

@@ -4,12 +4,18 @@ Call order per engine step (vLLM's model runner drives it):
 
 1. ``register(kv_caches, ...)`` once: the KV tensors become a :class:`KVLayout`, their
    memory is made addressable on the platform, the store and the Delegator are built.
+   When the connector derived the physical layout the block ids cover
+   (``expected_layout``, a :attr:`KVLayout.signature`), the tensors must have exactly it:
+   a worker handed other tensors raises ``ValueError`` naming both, before it touches
+   the store (its blocks would carry ids that promise another byte layout).
 2. ``start_load(plan)`` before the forward. Whole-request mode loads every planned
    block and returns when the bytes are in place; layer-wise mode issues one load per
    layer and ``wait_layer(name)`` (called by each attention layer) waits for its own.
    A block that fails to load (store gone, timeout, missing) is remembered;
    ``failed_blocks()`` hands those to vLLM, which recomputes them. The first failure of
-   a run of failures is logged once as a warning, never raised.
+   a run of failures is logged once as a warning, never raised; every failed block is
+   counted in ``load_failed_blocks`` and under its reason (``load_failed_<status>``, see
+   ``metrics.py``).
 3. ``save_layer(name)`` after each attention layer (layer-wise mode) and
    ``wait_for_save(plan)`` after the forward: dumps start asynchronously (gather on the
    copy stream, then the store transfer).
@@ -36,7 +42,7 @@ from kvfabric.platform.stream import Event
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer import hashing
 from kvfabric.ucm_layer.connector.config import ConnectorConfig
-from kvfabric.ucm_layer.connector.metrics import StatsWindow
+from kvfabric.ucm_layer.connector.metrics import StatsWindow, failure_counter, failure_reason
 from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
 from kvfabric.ucm_layer.connector.tracing import Tracer
 from kvfabric.ucm_layer.delegator import Delegator, DumpOp, LoadOp
@@ -70,8 +76,11 @@ class WorkerSide:
         save: bool = True,
         tracer: Tracer | None = None,
         compute_done: Callable[[], Event | None] | None = None,
+        expected_layout: str | None = None,
+        layout_note: str = "",
     ) -> None:
         self.cfg, self.platform = cfg, platform
+        self.expected_layout, self._layout_note = expected_layout, layout_note
         self._store_factory = store_factory
         self.rank, self.mla = rank, mla
         self.can_load, self.can_save = load, save and (rank == 0 or not mla)
@@ -106,6 +115,7 @@ class WorkerSide:
         if self.layout is not None:
             raise ValueError("register was already called for this worker")
         layout = layout_from_tensors(kv_caches, num_blocks, block_strides)
+        self._check_layout(layout)
         seen: set[int] = set()
         on_host = True
         for value in kv_caches.values():
@@ -145,6 +155,26 @@ class WorkerSide:
             " (MLA: rank 0 dumps)" if self.mla else "",
         )
         return layout
+
+    def _check_layout(self, layout: KVLayout) -> None:
+        if self.expected_layout is None:
+            if self._layout_note:
+                log.warning(
+                    "kvfabric worker rank %d: the physical KV layout is %s, so block ids cannot cover "
+                    "it; engines sharing this store must lay out their KV caches alike (%s)",
+                    self.rank,
+                    self._layout_note,
+                    layout.signature,
+                )
+            return
+        if layout.signature != self.expected_layout:
+            raise ValueError(
+                f"kvfabric: the KV cache tensors vLLM handed worker rank {self.rank} are laid out as "
+                f"{layout.signature!r} ({layout.description}), but the block ids were derived for "
+                f"{self.expected_layout!r} (KV cache layout {self._layout_note}); their blocks would "
+                "be named for bytes they do not hold. Check VLLM_KV_CACHE_LAYOUT and the attention "
+                "backend, or report this vLLM version."
+            )
 
     def _tag(self, ids: np.ndarray) -> np.ndarray:
         return hashing.tag(ids, 0 if self.mla else self.rank, 0)
@@ -223,10 +253,8 @@ class WorkerSide:
         self, blocks: np.ndarray, status: np.ndarray, secs: float, block_bytes: int, layer: int | None = None
     ) -> None:
         ok = status == BlockStatus.OK
-        bad = blocks[~ok]
-        if bad.size:
-            kinds = sorted({BlockStatus(int(s)).name for s in status[~ok]})
-            self._load_failed(bad, f"{bad.size} of {blocks.size} blocks {'/'.join(kinds)}")
+        if not ok.all():
+            self._load_failed(blocks[~ok], f"{int((~ok).sum())} of {blocks.size} blocks", status[~ok])
         elif self._load_trouble:
             log.warning("kvfabric: loads from the store succeed again")
             self._load_trouble = False
@@ -235,15 +263,25 @@ class WorkerSide:
             self.stats.add(loaded_blocks=n)
         self.stats.add(loaded_bytes=n * block_bytes, load_s=secs)
 
-    def _load_failed(self, blocks: np.ndarray, why: str) -> None:
+    def _load_failed(self, blocks: np.ndarray, why: str, status: np.ndarray | None = None) -> None:
+        """Remember ``blocks`` for vLLM to recompute and count them, by reason: their store
+        ``status`` (None: the load raised, reason ``error``). A block that fails in several
+        layers of one step counts once."""
+        new = np.array([int(b) not in self._failed for b in blocks], dtype=bool)
         self._failed.update(int(b) for b in blocks)
-        self.stats.add(load_failed_blocks=int(blocks.size))
+        codes = np.full(blocks.size, -1, np.int64) if status is None else np.asarray(status, np.int64)
+        reasons: dict[str, int] = {}
+        for code in codes[new]:
+            counter = failure_counter(failure_reason(int(code)))
+            reasons[counter] = reasons.get(counter, 0) + 1
+        self.stats.add(load_failed_blocks=int(new.sum()), **reasons)
         if not self._load_trouble:
             log.warning(
-                "kvfabric: loading KV blocks from the store %r failed (%s); vLLM recomputes them "
+                "kvfabric: loading KV blocks from the store %r failed (%s: %s); vLLM recomputes them "
                 "(kv_load_failure_policy='recompute'). Further failures are counted, not logged.",
                 self.cfg.store,
                 why,
+                ", ".join(f"{n} {k.removeprefix('load_failed_')}" for k, n in reasons.items()) or "again",
             )
             self._load_trouble = True
 
