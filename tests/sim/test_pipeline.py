@@ -123,7 +123,7 @@ def test_write_through_waits_for_the_lowest_tier(tmp_path, plat):
 
 def test_write_behind_failures_are_counted_and_stay_invisible(tmp_path, plat):
     p = build_store("cache|posix", tmp_path, plat, **{"pipeline.write": "behind", "posix.io_threads": 1})
-    p.lower.io = FullDiskIO(budget=2 * LAYOUT.shard_bytes)
+    p.lower.io = FullDiskIO(budget=2 * p.lower.file_bytes)  # two block files, trailers included
     ids = random_ids(5, 6)
     assert (dump_blocks(p, plat, ids) == OK).all()
     wait_until(lambda: p.stats()["behind_failed"] == 3, "write-behind failures were not counted")

@@ -30,11 +30,19 @@ from kvfabric.platform.sim import SimPlatform
 from kvfabric.ucm_layer.hashing import to_hex
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.posix import PosixConfig, PosixStore
-from kvfabric.ucm_layer.store.posix_files import FileIO
+from kvfabric.ucm_layer.store.posix_files import FileIO, trailer_bytes
 
-OK, MISSING, FAILED, TIMEOUT = (
-    int(s) for s in (BlockStatus.OK, BlockStatus.MISSING, BlockStatus.FAILED, BlockStatus.TIMEOUT)
+OK, MISSING, FAILED, TIMEOUT, CORRUPT = (
+    int(s)
+    for s in (
+        BlockStatus.OK,
+        BlockStatus.MISSING,
+        BlockStatus.FAILED,
+        BlockStatus.TIMEOUT,
+        BlockStatus.CORRUPT,
+    )
 )
+FILE_BYTES = LAYOUT.shard_bytes + trailer_bytes(1, LAYOUT.shard_bytes)  # data, then the checksum trailer
 
 
 @pytest.fixture
@@ -62,7 +70,7 @@ def test_one_file_per_block_named_by_hex_id_under_prefix_dirs(tmp_path, plat):
     for i, name in enumerate(names):
         k = ((int(ids[i, 0]) << 8) | int(ids[i, 1])) % 2
         path = Path(dirs[k]) / name[:3] / name
-        assert path.is_file() and path.stat().st_size == LAYOUT.shard_bytes
+        assert path.is_file() and path.stat().st_size == FILE_BYTES
     used = {p.parent.parent.name for p in files_under(tmp_path)}
     assert used == {"a", "b"}  # spread over both backend directories
     assert not files_under(tmp_path, ".tmp")
@@ -108,7 +116,7 @@ def test_temp_files_of_a_killed_writer_are_swept(tmp_path, plat):
 
 
 def test_gc_removes_the_coldest_blocks_down_to_the_low_watermark(tmp_path, plat):
-    per = LAYOUT.shard_bytes
+    per = FILE_BYTES
     s = PosixStore(
         PosixConfig(dirs=(str(tmp_path / "d0"),), capacity=10 * per, gc_high=0.9, gc_low=0.5),
         platform=plat,
@@ -132,7 +140,7 @@ def test_gc_removes_the_coldest_blocks_down_to_the_low_watermark(tmp_path, plat)
 
 
 def test_background_gc_keeps_usage_under_capacity(tmp_path, plat):
-    per = LAYOUT.shard_bytes
+    per = FILE_BYTES
     s = posix(tmp_path, plat, capacity=8 * per, gc_interval=0.05, gc_high=0.9, gc_low=0.5)
     for k in range(3):
         assert (dump_blocks(s, plat, random_ids(6, 10 + k)) == OK).all()
@@ -145,7 +153,7 @@ def test_background_gc_keeps_usage_under_capacity(tmp_path, plat):
 
 def test_enospc_is_a_per_block_failure(tmp_path, plat):
     s = posix(tmp_path, plat, io_threads=1)
-    s.io = FullDiskIO(budget=3 * LAYOUT.shard_bytes)
+    s.io = FullDiskIO(budget=3 * FILE_BYTES)
     ids = random_ids(6, 4)
     st = dump_blocks(s, plat, ids)
     assert (st[:3] == OK).all() and (st[3:] == FAILED).all()
@@ -249,13 +257,18 @@ def test_read_errors_and_foreign_files_are_failures(tmp_path, plat):
     assert (dump_blocks(s, plat, ids) == OK).all()
     name = to_hex(ids[1:2])[0]
     path = tmp_path / "d0" / name[:3] / name
-    path.write_bytes(path.read_bytes()[:100])  # e.g. written by another layout
+    path.write_bytes(path.read_bytes()[:100])  # truncated, or written by another layout
     dst = Blocks(plat, LAYOUT, 4)
     st = s.wait(s.load(ids, 0, dst.addrs))
-    assert st.tolist() == [OK, FAILED, OK, OK] and dst.untouched(1)
+    assert st.tolist() == [OK, CORRUPT, OK, OK] and dst.untouched(1)
+    assert not path.exists() and s.stats()["corrupt_blocks"] == 1  # dropped: the next dump rewrites it
+    assert (dump_blocks(s, plat, ids) == OK).all() and path.stat().st_size == FILE_BYTES
 
     class EIO(FileIO):
         def read_into(self, fd, view, offset):
+            raise OSError(errno.EIO, "I/O error")
+
+        def read_scatter(self, fd, views, offset):
             raise OSError(errno.EIO, "I/O error")
 
     s.io = EIO()
@@ -296,7 +309,9 @@ def test_shards_from_two_processes_assemble_into_one_file(tmp_path, plat):
         d = Blocks(plat, layout, 32)
         assert (s.wait(s.load(ids, shard, d.addrs)) == OK).all()
         assert np.array_equal(d.read(), block_bytes(ids, layout.shard_bytes, shard))
-    assert {p.stat().st_size for p in files_under(Path(root))} == {2 * layout.shard_bytes}
+    assert {p.stat().st_size for p in files_under(Path(root))} == {
+        2 * layout.shard_bytes + trailer_bytes(2, layout.shard_bytes)
+    }
     s.close()
 
 

@@ -287,7 +287,11 @@ def blocked_event(plat: Platform, seconds: float) -> tuple:
 
 # ---------------------------------------------------------------------------- posix I/O faults
 class StallingIO(FileIO):
-    """Writes half of a block file, drops a marker file, then stalls (until ``release``)."""
+    """Writes half of a block file, drops a marker file, then stalls (until ``release``).
+    Writes of at most ``SMALL`` bytes (checksum trailers, digests, arrival flags) never
+    stall and do not count as blocks."""
+
+    SMALL = 64
 
     def __init__(self, marker: str, after_blocks: int = 0) -> None:
         self.marker, self.after_blocks = marker, after_blocks
@@ -296,9 +300,11 @@ class StallingIO(FileIO):
         self._lock = threading.Lock()
 
     def write_from(self, fd: int, view: memoryview, offset: int) -> None:
+        if len(view) <= self.SMALL:
+            return super().write_from(fd, view, offset)
         with self._lock:
             self._writes += 1
-            stall = self._writes > self.after_blocks and len(view) > 1
+            stall = self._writes > self.after_blocks and len(view) > self.SMALL
         if not stall:
             return super().write_from(fd, view, offset)
         half = len(view) // 2
@@ -309,7 +315,8 @@ class StallingIO(FileIO):
 
 
 class SlowReadIO(FileIO):
-    """Every read waits until ``release`` is set (then completes normally)."""
+    """Every read (one buffer or scattered) waits until ``release`` is set (then completes
+    normally)."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -319,6 +326,11 @@ class SlowReadIO(FileIO):
         self.started.set()
         self.release.wait()
         super().read_into(fd, view, offset)
+
+    def read_scatter(self, fd: int, views: list[memoryview], offset: int) -> None:
+        self.started.set()
+        self.release.wait()
+        super().read_scatter(fd, views, offset)
 
 
 class FullDiskIO(FileIO):

@@ -46,6 +46,14 @@ platform's buffers at the configured piece sizes) raise ``ValueError`` / ``TypeE
 at the call, before anything is queued; failures while moving bytes never raise from
 ``wait`` but show up as per-block statuses (``FAILED``); a backing service that does
 not answer makes ``lookup`` report a miss. Using a closed store is a ``ValueError``.
+
+Integrity: every store that keeps bytes outside the caller seals each shard with its
+writer's checksum (``kvfabric.platform.checksum``) and, with the store's ``verify`` on,
+checks it before a load counts: a mismatch is ``CORRUPT`` for that block (a failure like
+``FAILED``, kept apart so callers can count it), the store drops its copy (so the next
+dump writes it again), counts it in ``stats()["corrupt_blocks"]`` and logs once. The
+destination of a ``CORRUPT`` block may hold the bad bytes: like any failure, it must not
+be used.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ class BlockStatus(enum.IntEnum):
     CANCELLED = 3
     TIMEOUT = 4
     PENDING = 5  # not finished (only seen through a task's live view, never from wait)
+    CORRUPT = 6  # load: the bytes do not match their writer's checksum (a failure, never a hit)
 
 
 class TaskKind(enum.Enum):

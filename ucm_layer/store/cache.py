@@ -17,6 +17,12 @@ the same block wait for that fill instead of repeating it.
 
 The index is private to the process; ``cache.shared`` only places the slots in shared
 memory (sized against ``KVFABRIC_SHM_DIR``).
+
+Integrity: whoever fills a slot (a dump, or a pipeline's fill from the store below)
+records the xxh3 digest of the slot's bytes before publishing it (``seal``). With
+``cache.verify`` on, a load hashes each hit slot on the host while the batched copy out
+of it runs (on a device, the copy engine's DMA; on the sim platform, the stream's
+thread) and reports a mismatch ``CORRUPT``; the slot is dropped from the index.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ import numpy as np
 from kvfabric.errors import KVFabricError, OutOfSpace
 from kvfabric.platform import shm
 from kvfabric.platform.base import Platform
+from kvfabric.platform.checksum import Verify, digest_range
 from kvfabric.platform.stream import Stream
-from kvfabric.platform.types import Medium
+from kvfabric.platform.types import CopyBatch, Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.cache_index import Claim, Claims, SlotTable, keys_of
 from kvfabric.ucm_layer.store.common import Request, TaskStore
-from kvfabric.ucm_layer.store.config import REQUIRED, Key, as_bool, as_int, as_size, parse_keys
+from kvfabric.ucm_layer.store.config import REQUIRED, Key, as_bool, as_int, as_size, as_verify, parse_keys
 from kvfabric.ucm_layer.store.task import StoreTask
 from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, dump_may_start, slot_pieces
 
@@ -52,12 +59,14 @@ class CacheConfig:
     shared: bool = False
     workers: int = 2
     prefault: bool = False
+    verify: Verify = Verify.ON
 
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key("capacity", as_size, REQUIRED, "bytes of host memory for slots, e.g. 4GiB"),
         Key("shared", as_bool, False, "put the slots in shared memory (KVFABRIC_SHM_DIR)"),
         Key("workers", as_int(1, 64), 2, "threads that run the cache's copies"),
         Key("prefault", as_bool, False, "touch every page at start (no page faults later)"),
+        Key("verify", as_verify, Verify.ON, "loads check each slot's checksum (on / off)"),
     )
 
     @classmethod
@@ -117,6 +126,8 @@ class CacheStore(TaskStore):
             self.buffer.numpy()[::4096] = 0
         self.table = SlotTable(slots)
         self._offsets, self._sizes = layout.offsets, layout.sizes
+        #: whether loads check checksums (may be switched between tasks, e.g. by a benchmark)
+        self.verify = config.verify
         self.workers = Workers(platform, config.workers, "kvfabric-cache")
 
     @classmethod
@@ -132,9 +143,42 @@ class CacheStore(TaskStore):
     def _sizes_for(self, k: int) -> np.ndarray:
         return np.broadcast_to(self._sizes, (k, self.layout.pieces))
 
-    def copy_out(self, stream: Stream, slots: np.ndarray, addrs: np.ndarray) -> None:
-        """Every piece of ``slots`` to ``addrs`` (``(k, m)``) in one batched copy."""
-        copy_pieces(self.platform, stream, addrs, self.slot_addrs(slots), self._sizes_for(len(slots)))
+    def copy_out(
+        self, stream: Stream, slots: np.ndarray, addrs: np.ndarray, verify: bool = False
+    ) -> np.ndarray:
+        """Every piece of ``slots`` to ``addrs`` (``(k, m)``) in one batched copy; with
+        ``verify``, each slot is hashed while the copy runs. Returns the ``(k,)`` mask of
+        slots whose bytes do not match their recorded digest (all False without verify).
+        Raises ``KVFabricError`` when the copy fails."""
+        bad = np.zeros(len(slots), bool)
+        if not len(slots):
+            return bad
+        batch = CopyBatch(
+            addrs.reshape(-1), self.slot_addrs(slots).reshape(-1), self._sizes_for(len(slots)).reshape(-1)
+        )
+        self.platform.batch_copy(batch, stream=stream)
+        try:
+            if verify:
+                bad = self.digests(slots) != self.table.digest[slots]
+        finally:
+            stream.synchronize()
+        return bad
+
+    def digests(self, slots: np.ndarray) -> np.ndarray:
+        """The digests of the bytes now in ``slots``."""
+        base, step, n = self.buffer.ptr, self.slot_bytes, self.layout.shard_bytes
+        return np.fromiter((digest_range(base + s * step, n) for s in slots.tolist()), np.uint64, len(slots))
+
+    def seal(self, slots: np.ndarray) -> None:
+        """Record the digests of ``slots`` (FILLING, owned by the caller) before publishing."""
+        if len(slots):
+            self.table.digest[slots] = self.digests(slots)
+
+    def drop(self, slots: np.ndarray) -> None:
+        """``slots`` (pinned by the caller) failed verification: out of the index, counted."""
+        if len(slots):
+            self.table.discard(slots)
+            self._corrupt_found(len(slots), f"cache slot {int(slots[0])}")
 
     def copy_in(self, stream: Stream, slots: np.ndarray, addrs: np.ndarray) -> None:
         """Every piece at ``addrs`` (``(k, m)``) into ``slots`` in one batched copy."""
@@ -171,8 +215,11 @@ class CacheStore(TaskStore):
                 with task.guard() as ok:
                     if ok:
                         try:
-                            self.copy_out(ctx.stream, c.slots[hit], req.addrs[hit])
-                            task.set(hit, BlockStatus.OK)
+                            bad = self.copy_out(
+                                ctx.stream, c.slots[hit], req.addrs[hit], self.verify is Verify.ON
+                            )
+                            task.set(hit, np.where(bad, BlockStatus.CORRUPT, BlockStatus.OK).astype(np.int8))
+                            self.drop(c.slots[hit[bad]])
                         except KVFabricError:
                             task.set(hit, BlockStatus.FAILED)
         finally:
@@ -212,6 +259,7 @@ class CacheStore(TaskStore):
             if go:
                 try:
                     self.copy_in(stream, slots, addrs[lead])
+                    self.seal(slots)
                     ok = True
                 except KVFabricError:
                     task.set(rows[own], BlockStatus.FAILED)

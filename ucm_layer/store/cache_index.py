@@ -1,10 +1,12 @@
 """``SlotTable``: the index of the cache store's fixed slots.
 
 Each slot holds one block shard. Per slot (numpy columns): the full 16-byte id and shard
-index, a state (``FREE`` / ``FILLING`` / ``READY``: the ready flag), a reference count
-(readers copying out of it) and an LRU tick. A dict maps a 64-bit key folded from
-(id, shard) to the slot; every hit is verified against the full id, so a key collision
-is a miss (or an uncacheable block), never wrong bytes.
+index, a state (``FREE`` / ``FILLING`` / ``READY``: the ready flag; ``DEAD``: dropped after
+failing verification, out of the index, freed when its last reader lets go), a reference
+count (readers copying out of it), an LRU tick and the xxh3 digest its owner recorded
+before publishing it (``digest``; written only while the slot is ``FILLING``). A dict
+maps a 64-bit key folded from (id, shard) to the slot; every hit is verified against the
+full id, so a key collision is a miss (or an uncacheable block), never wrong bytes.
 
 Rules, all under one lock:
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FREE, FILLING, READY = 0, 1, 2
+FREE, FILLING, READY, DEAD = 0, 1, 2, 3
 
 _MIX_HI = np.uint64(0x9E3779B97F4A7C15)
 _MIX_SHARD = 0xD6E8FEB86659FD93
@@ -73,6 +75,7 @@ class SlotTable:
         self.refs = np.zeros(slots, np.int32)
         self.tick = np.zeros(slots, np.int64)
         self.keys = np.zeros(slots, np.uint64)
+        self.digest = np.zeros(slots, np.uint64)
         self.index: dict[int, int] = {}
         self.free: list[int] = list(range(slots - 1, -1, -1))
         self.clock = 0
@@ -194,10 +197,27 @@ class SlotTable:
             self.settled.notify_all()
 
     def release(self, slots: np.ndarray) -> None:
-        """Drop one pin per entry of ``slots`` (repeats allowed)."""
+        """Drop one pin per entry of ``slots`` (repeats allowed); a ``DEAD`` slot whose last
+        pin this was becomes free."""
         if slots.size:
             with self.lock:
                 np.subtract.at(self.refs, slots, 1)
+                u = np.unique(slots)
+                gone = u[(self.state[u] == DEAD) & (self.refs[u] == 0)]
+                if gone.size:
+                    self.state[gone] = FREE
+                    self.free.extend(gone.tolist())
+
+    def discard(self, slots: np.ndarray) -> None:
+        """Take READY ``slots`` (pinned by the caller, who still releases them) out of the
+        index: no later lookup finds them, and each is freed when its last pin goes."""
+        with self.lock:
+            u = np.unique(np.asarray(slots, np.int64))
+            u = u[self.state[u] == READY]
+            for slot, key in zip(u.tolist(), self.keys[u].tolist()):
+                if self.index.get(key) == slot:
+                    del self.index[key]
+            self.state[u] = DEAD
 
     def wait_settled(self, keys: np.ndarray, ids: np.ndarray, shard: int, timeout: float) -> bool:
         """Wait up to ``timeout`` s until none of these is FILLING; True when settled."""

@@ -2,12 +2,15 @@
 
 Argument checking (ids, shard index, address matrix against the platform's live buffers
 at the configured piece sizes, the ``after`` event), task creation with per-status
-counters, and ``check`` / ``wait`` / ``cancel`` on :class:`StoreTask`. A store subclass
-implements ``lookup``, ``_start_load`` and ``_start_dump``.
+counters, ``check`` / ``wait`` / ``cancel`` on :class:`StoreTask`, and the one place a
+store reports blocks that failed verification (``_corrupt_found``: counted in
+``stats()["corrupt_blocks"]``, logged once per store). A store subclass implements
+``lookup``, ``_start_load`` and ``_start_dump``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -31,6 +34,8 @@ from kvfabric.ucm_layer.store.base import (
     check_shard,
 )
 from kvfabric.ucm_layer.store.task import StoreTask, check_task, wait_task
+
+log = logging.getLogger("kvfabric.store")
 
 CLOSE_GRACE_S = 10.0  # how long close() lets outstanding tasks finish before cancelling them
 
@@ -73,6 +78,8 @@ class TaskStore(Store):
         self._stats_lock = threading.Lock()
         self._counts = {k: np.zeros(len(BlockStatus), np.int64) for k in TaskKind}
         self._live: weakref.WeakSet[StoreTask] = weakref.WeakSet()
+        self._corrupt = 0
+        self._corrupt_logged = False
 
     # ------------------------------------------------------------------ checks
     def _check_open(self) -> None:
@@ -105,6 +112,23 @@ class TaskStore(Store):
         for task in list(self._live):
             if not task.wait_finished(max(0.0, deadline - time.monotonic())):
                 task.cancel(BlockStatus.CANCELLED)
+
+    def _corrupt_found(self, count: int, where: str) -> None:
+        """``count`` blocks failed verification here (``where`` names one, for the log):
+        counted in ``stats()["corrupt_blocks"]``; logged the first time only."""
+        if count <= 0:
+            return
+        with self._stats_lock:
+            self._corrupt += count
+            first, self._corrupt_logged = not self._corrupt_logged, True
+        if first:
+            log.warning(
+                "store %s: %d block(s) failed checksum verification (e.g. %s); reported CORRUPT, "
+                "dropped so the next dump rewrites them (further ones are only counted: corrupt_blocks)",
+                self.name,
+                count,
+                where,
+            )
 
     def _count(self, task: StoreTask) -> None:
         c = np.bincount(task.status.astype(np.int64), minlength=len(BlockStatus))[: len(BlockStatus)]
@@ -149,6 +173,7 @@ class TaskStore(Store):
                 for st in BlockStatus:
                     if st is not BlockStatus.PENDING:
                         out[f"{kind.value}_{st.name.lower()}"] = int(counts[st])
+            out["corrupt_blocks"] = self._corrupt
         return out
 
     @property

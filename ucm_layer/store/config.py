@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.envs import parse_size
+from kvfabric.platform.checksum import Verify
 
 REQUIRED = object()
 
@@ -76,6 +77,11 @@ def as_bool(v: Any) -> bool:
         if t in ("0", "false", "no", "off"):
             return False
     raise ValueError(f"expected a boolean (true/false), got {v!r}")
+
+
+def as_verify(v: Any) -> Verify:
+    """``on`` / ``off`` (or a boolean): whether loads check the writer's checksum."""
+    return Verify.parse(v)
 
 
 def as_int(lo: int, hi: int | None = None) -> Callable[[Any], int]:

@@ -17,6 +17,10 @@ pool store is registered), itself a store with the same contract.
   only once the lowest tier has it: the slots stay in filling state (invisible) until
   then. Blocks for which no slot is free go straight to the lower store.
 * Cancelling or timing out a pipeline task cancels the tasks it started below.
+* Integrity: a block the lower store reports ``CORRUPT`` (or any other failure) is not
+  promoted: its claimed slot is freed and the status passes through. Slots filled here
+  (from below or by a dump) are sealed with their digest before they become ready; cache
+  hits are verified as in the cache alone. ``stats()["corrupt_blocks"]`` adds the tiers'.
 
 The pipeline owns its two tiers and closes them.
 """
@@ -31,6 +35,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvfabric.errors import KVFabricError
+from kvfabric.platform.checksum import Verify
 from kvfabric.ucm_layer.store.base import BlockStatus, Store, Task, TaskKind
 from kvfabric.ucm_layer.store.cache import CacheStore
 from kvfabric.ucm_layer.store.cache_index import Claim, Claims
@@ -136,6 +141,7 @@ class Pipeline(TaskStore):
             sub = self.lower.load(ids[lead], shard, self.upper.slot_addrs(slots))
             task.adopt(self.lower, sub)
             st = self.lower.wait(sub)
+            self.upper.seal(slots[st == OK])  # only verified bytes are promoted, then sealed
         finally:
             self.upper.table.publish(slots, st == OK, pinned=c.slots[own])
         rows_st = _by_slot(slots, st, c.slots[own])
@@ -155,16 +161,25 @@ class Pipeline(TaskStore):
         task.seal()
 
     def _copy_out(
-        self, ctx: WorkerContext, task: StoreTask, slots: np.ndarray, addrs: np.ndarray, rows: np.ndarray
+        self,
+        ctx: WorkerContext,
+        task: StoreTask,
+        slots: np.ndarray,
+        addrs: np.ndarray,
+        rows: np.ndarray,
+        verify: bool = True,
     ) -> None:
+        """Copy cache slots out to the caller; ``verify`` (hits; not slots this task just
+        filled and sealed) checks them first when the cache verifies."""
         if not rows.size:
             return
         with task.guard() as ok:
             if not ok:
                 return
             try:
-                self.upper.copy_out(ctx.stream, slots, addrs)
-                task.set(rows, OK)
+                bad = self.upper.copy_out(ctx.stream, slots, addrs, verify and self.upper.verify is Verify.ON)
+                task.set(rows, np.where(bad, BlockStatus.CORRUPT, OK).astype(np.int8))
+                self.upper.drop(slots[bad])
             except KVFabricError as e:
                 log.warning("pipeline: copy out of the cache failed: %s", e)
                 task.set(rows, BlockStatus.FAILED)
@@ -199,7 +214,7 @@ class Pipeline(TaskStore):
                 rows_st, ok = self._fill_own(task, c, own, ids, req.shard)
                 task.set(pending[own[~ok]], rows_st[~ok])
                 try:
-                    self._copy_out(ctx, task, c.slots[own[ok]], addrs[own[ok]], pending[own[ok]])
+                    self._copy_out(ctx, task, c.slots[own[ok]], addrs[own[ok]], pending[own[ok]], False)
                 finally:
                     self.upper.table.release(c.slots[own[ok]])
             if direct is not None:
@@ -253,6 +268,7 @@ class Pipeline(TaskStore):
             if go:
                 try:
                     self.upper.copy_in(ctx.stream, slots, addrs[lead])
+                    self.upper.seal(slots)
                     copied = True
                 except KVFabricError as e:
                     log.warning("pipeline: copy into the cache failed: %s", e)
@@ -298,7 +314,9 @@ class Pipeline(TaskStore):
         out = super().stats()
         out["behind_failed"] = self._behind_failed
         for tier in (self.upper, self.lower):
-            out.update({f"{tier.name}.{k}": v for k, v in tier.stats().items()})
+            tier_stats = tier.stats()
+            out["corrupt_blocks"] += tier_stats.get("corrupt_blocks", 0)
+            out.update({f"{tier.name}.{k}": v for k, v in tier_stats.items()})
         return out
 
     def close(self) -> None:

@@ -13,6 +13,11 @@ Where the pool is (keys ``pool.*``): ``pool.socket`` (or ``pool.tcp`` + ``pool.t
 names a running daemon (``kvfabric pool serve``); with neither, the store starts an
 embedded pool of ``pool.embedded_dram`` bytes in this process. A pool that does not
 answer makes ``lookup`` a miss (logged once), loads ``MISSING`` and dumps ``FAILED``.
+
+Integrity is the pool's: every object carries its writer's checksum and the client checks
+it on reads (``pool.verify``: ``on`` / ``off``; unset, the daemon's setting). A read that
+fails it is the pool's ``CORRUPT``, reported here as ``BlockStatus.CORRUPT`` and counted
+in ``stats()["corrupt_blocks"]``.
 """
 
 from __future__ import annotations
@@ -29,14 +34,19 @@ from kvfabric.errors import KVFabricError, ServiceUnavailable
 from kvfabric.platform.base import Platform
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.common import Request, TaskStore
-from kvfabric.ucm_layer.store.config import Key, as_float, as_int, as_size, parse_keys
+from kvfabric.ucm_layer.store.config import Key, as_float, as_int, as_size, as_verify, parse_keys
 from kvfabric.ucm_layer.store.task import StoreTask
 from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, dump_may_start
 
 log = logging.getLogger("kvfabric.store")
 
 # pool Status -> store BlockStatus
-_OK, _EXISTS, _NOT_FOUND = 0, 1, 2
+_OK, _EXISTS, _NOT_FOUND, _CORRUPT = 0, 1, 2, 8
+
+
+def _as_verify_or_unset(v: Any) -> str:
+    """``on`` / ``off``, or ``""``: the daemon's setting."""
+    return "" if v is None or (isinstance(v, str) and not v.strip()) else as_verify(v).value
 
 
 def _as_str(v: Any) -> str:
@@ -59,6 +69,7 @@ class PoolStoreConfig:
     workers: int = 2
     chunk: int = 64
     timeout: float = 1.0
+    verify: str = ""
 
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key("socket", _as_str, "", "Unix socket of a pool daemon ('' with no tcp: an embedded pool)"),
@@ -71,6 +82,7 @@ class PoolStoreConfig:
         Key("workers", as_int(1, 64), 2, "threads that run the store's transfers"),
         Key("chunk", as_int(1, 1 << 20), 64, "blocks per pool batch call"),
         Key("timeout", as_float(0.01), 1.0, "seconds before an unanswered pool call is a failure"),
+        Key("verify", _as_verify_or_unset, "", "reads check objects' checksums: on / off ('': the daemon's)"),
     )
 
     @classmethod
@@ -105,6 +117,8 @@ class PoolStore(TaskStore):
         from kvfabric.pool import connect
 
         kwargs: dict[str, Any] = {"window_bytes": cfg.window} if cfg.window else {}
+        if cfg.verify:
+            kwargs["verify"] = cfg.verify
         if cfg.socket or cfg.tcp:
             return connect(
                 cfg.socket or None,
@@ -164,10 +178,15 @@ class PoolStore(TaskStore):
                 self._unavailable(e)
                 task.set(sl, BlockStatus.MISSING if isinstance(e, ServiceUnavailable) else BlockStatus.FAILED)
                 return
-        out = np.where(
-            st == _OK, BlockStatus.OK, np.where(st == _NOT_FOUND, BlockStatus.MISSING, BlockStatus.FAILED)
+        out = np.select(
+            [st == _OK, st == _NOT_FOUND, st == _CORRUPT],
+            [BlockStatus.OK, BlockStatus.MISSING, BlockStatus.CORRUPT],
+            BlockStatus.FAILED,
         ).astype(np.int8)
         task.set(sl, out)
+        bad = np.flatnonzero(st == _CORRUPT)
+        if bad.size:
+            self._corrupt_found(int(bad.size), f"pool object {keys[int(bad[0])]!r}")
 
     def _start_dump(self, req: Request, task: StoreTask) -> None:
         if req.n == 0:

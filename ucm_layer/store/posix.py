@@ -15,6 +15,15 @@ buffer), files are read into and written from that memory directly, with no boun
   4096 and the file system accepts it (probed at start; tmpfs does not), for reads
   into and one-shard writes from the bounce area.
 * ENOSPC and every other I/O error make that block ``FAILED``; ENOSPC also wakes GC.
+* Integrity: every file ends with a trailer of per-shard xxh3 digests, computed by each
+  shard's writer over the bytes it wrote (on the host: the caller's host memory or the
+  bounce area). With ``posix.verify`` on, a load reads the shard in runs of
+  ``checksum.SEGMENT`` bytes and hashes each run while it is still in cache, then
+  compares with the trailer (read by the same ``preadv`` for one-shard blocks). A
+  mismatch, or a file of the wrong size, is ``CORRUPT``: counted, logged once, the file
+  is removed (so the next dump writes it again) and, on the bounce path, the bytes never
+  reach the caller's memory.
+* Start-up: every directory must take a probe write (``DirectoryUnusable`` if not).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import numpy as np
 
 from kvfabric.errors import KVFabricError
 from kvfabric.platform.base import Platform
+from kvfabric.platform.checksum import Hasher, Verify, digest_range, segments
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout, TaskKind
 from kvfabric.ucm_layer.store.common import Request, TaskStore
@@ -41,17 +51,28 @@ from kvfabric.ucm_layer.store.config import (
     as_int,
     as_paths,
     as_size,
+    as_verify,
     parse_keys,
 )
 from kvfabric.ucm_layer.store.host_views import host_view
-from kvfabric.ucm_layer.store.posix_files import ALIGN, BlockFiles, FileIO, PartWriter, write_single
+from kvfabric.ucm_layer.store.posix_files import (
+    ALIGN,
+    BlockFiles,
+    FileIO,
+    PartWriter,
+    pack_trailer,
+    same_file,
+    trailer_bytes,
+    trailer_digest,
+    write_single,
+)
 from kvfabric.ucm_layer.store.posix_gc import Collector
 from kvfabric.ucm_layer.store.task import StoreTask
 from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, dump_may_start, slot_pieces
 
 log = logging.getLogger("kvfabric.store.posix")
 
-OK, MISSING, FAILED = BlockStatus.OK, BlockStatus.MISSING, BlockStatus.FAILED
+OK, MISSING, FAILED, CORRUPT = BlockStatus.OK, BlockStatus.MISSING, BlockStatus.FAILED, BlockStatus.CORRUPT
 
 
 @dataclass(frozen=True)
@@ -69,6 +90,7 @@ class PosixConfig:
     touch: bool = True
     io_threads: int = 4
     chunk: int = 16 << 20
+    verify: Verify = Verify.ON
 
     KEYS: ClassVar[tuple[Key, ...]] = (
         Key(
@@ -84,6 +106,7 @@ class PosixConfig:
         Key("touch", as_bool, True, "loads refresh the file's mtime (the GC hotness clock)"),
         Key("io_threads", as_int(1, 256), 4, "worker threads doing file I/O"),
         Key("chunk", as_size, 16 << 20, "bytes of blocks one worker moves per batched copy"),
+        Key("verify", as_verify, Verify.ON, "loads check each shard's checksum (on / off)"),
     )
 
     def __post_init__(self) -> None:
@@ -134,9 +157,14 @@ class PosixStore(TaskStore):
         self.io = io or FileIO()
         self.files = BlockFiles(config.dirs)
         self.stride = layout.shard_bytes
-        self.file_bytes = layout.num_shards * self.stride
+        self.data_bytes = layout.num_shards * self.stride
+        self.trailer_bytes = trailer_bytes(layout.num_shards, self.stride)
+        self.file_bytes = self.data_bytes + self.trailer_bytes
+        #: whether loads check checksums (may be switched between tasks, e.g. by a benchmark)
+        self.verify = config.verify
         self.direct = bool(config.direct and self.stride % ALIGN == 0 and _probe_direct(self.files.dirs))
-        self.slot_bytes = -(-self.stride // ALIGN) * ALIGN
+        # a bounce slot: the shard, then room for the trailer (aligned when the shard is)
+        self.slot_bytes = -(-(self.stride + self.trailer_bytes) // ALIGN) * ALIGN
         self.chunk_blocks = max(1, min(256, config.chunk // self.slot_bytes))
         self._offsets, self._sizes = layout.offsets, layout.sizes
         self.gc = Collector(
@@ -219,7 +247,11 @@ class PosixStore(TaskStore):
         batched platform copy, as it must on a real device."""
         return bool(req.n) and not self.direct and not req.media.any()
 
-    def _read(self, path: str, view: memoryview | list[memoryview], offset: int, direct: bool) -> BlockStatus:
+    def _read(
+        self, path: str, views: list[memoryview], offset: int, direct: bool, trailer: memoryview, shard: int
+    ) -> BlockStatus:
+        """Shard bytes of ``path`` at ``offset`` into ``views``; with verify, checked against
+        the trailer (read into ``trailer``, ``trailer_bytes`` long, aligned for O_DIRECT)."""
         try:
             fd = self.io.open_read(path, direct)
         except FileNotFoundError:
@@ -230,18 +262,12 @@ class PosixStore(TaskStore):
         try:
             size = os.fstat(fd).st_size
             if size != self.file_bytes:
-                self._warn(
-                    "size",
-                    "posix store: %s has %d B, expected %d (another layout?)",
-                    path,
-                    size,
-                    self.file_bytes,
-                )
-                return FAILED
-            if isinstance(view, list):
-                self.io.read_scatter(fd, view, offset)
+                return self._drop(fd, path, f"{path} has {size} B, expected {self.file_bytes}")
+            if self.verify is Verify.ON:
+                if not self._read_verified(fd, views, offset, trailer, shard):
+                    return self._drop(fd, path, f"{path} (shard {shard})")
             else:
-                self.io.read_into(fd, view, offset)
+                self._fill(fd, views, offset)
             if self.config.touch:
                 self.io.touch(fd)
             return OK
@@ -250,6 +276,44 @@ class PosixStore(TaskStore):
             return FAILED
         finally:
             self.io.close(fd)
+
+    def _fill(self, fd: int, views: list[memoryview], offset: int) -> None:
+        if len(views) == 1:
+            self.io.read_into(fd, views[0], offset)
+        else:
+            self.io.read_scatter(fd, views, offset)
+
+    def _read_verified(
+        self, fd: int, views: list[memoryview], offset: int, trailer: memoryview, shard: int
+    ) -> bool:
+        """Read in runs of ``SEGMENT`` bytes, hashing each run while it is in cache; the
+        trailer comes with the last run when it follows the shard (one shard per block)."""
+        h = Hasher()
+        runs = segments(views)
+        joined = self.layout.num_shards == 1
+        pos = offset
+        for k, run in enumerate(runs):
+            self._fill(fd, [*run, trailer] if joined and k == len(runs) - 1 else run, pos)
+            for v in run:
+                h.update(v)
+                pos += len(v)
+        if not joined:
+            self.io.read_into(fd, trailer, self.data_bytes)
+        return h.digest() == trailer_digest(trailer, shard)
+
+    def _drop(self, fd: int, path: str, what: str) -> BlockStatus:
+        """A block file that failed verification: remove it (unless it was replaced since it
+        was opened) so the next dump writes it again; count and report it."""
+        try:
+            if same_file(fd, path):
+                self.io.unlink(path)
+        except OSError as e:
+            self._warn("drop", "posix store: cannot remove corrupt block file %s: %s", path, e)
+        self._corrupt_found(1, what)
+        return CORRUPT
+
+    def _trailer_buf(self) -> memoryview:
+        return memoryview(bytearray(self.trailer_bytes))
 
     def _load_chunk(self, ctx: WorkerContext, sl: slice, task: StoreTask, req: Request, host: bool) -> None:
         paths = self.files.paths(req.ids[sl])
@@ -260,7 +324,8 @@ class PosixStore(TaskStore):
                     if not ok:
                         return
                     view = host_view(int(req.addrs[sl.start + j, 0]), self.stride)
-                    task.set(sl.start + j, self._read(path, view, offset, False))
+                    st = self._read(path, [view], offset, False, self._trailer_buf(), req.shard)
+                    task.set(sl.start + j, st)
             return
         if self._scatter_ok(req):  # host pieces: one preadv per block, no bounce, no extra copy
             for j, path in enumerate(paths):
@@ -269,15 +334,19 @@ class PosixStore(TaskStore):
                         return
                     row = req.addrs[sl.start + j].tolist()
                     views = [host_view(a, n) for a, n in zip(row, self._sizes.tolist())]
-                    task.set(sl.start + j, self._read(path, views, offset, False))
+                    task.set(
+                        sl.start + j, self._read(path, views, offset, False, self._trailer_buf(), req.shard)
+                    )
             return
         bounce = ctx.scratch.numpy()
         got = np.zeros(len(paths), bool)
         for j, path in enumerate(paths):
             if task.cancelled is not None:
                 return
-            view = memoryview(bounce[j * self.slot_bytes : j * self.slot_bytes + self.stride])
-            st = self._read(path, view, offset, self.direct)
+            base = j * self.slot_bytes
+            view = memoryview(bounce[base : base + self.stride])
+            trailer = memoryview(bounce[base + self.stride : base + self.stride + self.trailer_bytes])
+            st = self._read(path, [view], offset, self.direct, trailer, req.shard)
             if st is OK:
                 got[j] = True
             else:
@@ -319,8 +388,9 @@ class PosixStore(TaskStore):
                 with task.guard() as ok:
                     if not ok:
                         return
-                    view = host_view(int(req.addrs[sl.start + j, 0]), self.stride)
-                    self._write(paths[j], view, req.shard, task, sl.start + j, direct=False)
+                    addr = int(req.addrs[sl.start + j, 0])
+                    digest = digest_range(addr, self.stride)
+                    self._write(paths[j], host_view(addr, self.stride), req.shard, task, sl.start + j, digest)
             return
         dst = slot_pieces(
             ctx.scratch.ptr + np.arange(todo.size, dtype=np.uint64) * self.slot_bytes, self._offsets
@@ -338,13 +408,36 @@ class PosixStore(TaskStore):
         for q, j in enumerate(todo.tolist()):
             if task.cancelled is not None:
                 return
-            view = memoryview(bounce[q * self.slot_bytes : q * self.slot_bytes + self.stride])
-            self._write(paths[j], view, req.shard, task, sl.start + j, direct=self.direct)
+            base = q * self.slot_bytes
+            digest = digest_range(ctx.scratch.ptr + base, self.stride)
+            if self.layout.num_shards == 1:  # data and trailer in one (O_DIRECT-able) write
+                end = base + self.stride + self.trailer_bytes
+                bounce[base + self.stride : end] = np.frombuffer(
+                    pack_trailer([digest], self.trailer_bytes), np.uint8
+                )
+                whole = memoryview(bounce[base:end])
+                self._write(paths[j], whole, req.shard, task, sl.start + j, digest, self.direct, True)
+            else:
+                view = memoryview(bounce[base : base + self.stride])
+                self._write(paths[j], view, req.shard, task, sl.start + j, digest)
 
-    def _write(self, final: str, view: memoryview, shard: int, task: StoreTask, i: int, direct: bool) -> None:
+    def _write(
+        self,
+        final: str,
+        view: memoryview,
+        shard: int,
+        task: StoreTask,
+        i: int,
+        digest: int,
+        direct: bool = False,
+        sealed: bool = False,
+    ) -> None:
+        """Write one shard (``view``; ``sealed``: it already ends with its trailer) and make
+        the block visible when complete."""
         try:
             if self.layout.num_shards == 1:
-                tmp = write_single(self.io, final, view, direct, self.config.fsync)
+                trailer = None if sealed else pack_trailer([digest], self.trailer_bytes)
+                tmp = write_single(self.io, final, view, direct, self.config.fsync, trailer)
                 with task.guard() as ok:
                     if ok:
                         self.io.rename(tmp, final)
@@ -355,7 +448,7 @@ class PosixStore(TaskStore):
                 return
             w = PartWriter(self.io, final, self.layout.num_shards, self.stride, self.config.fsync)
             try:
-                if not w.write(shard, view):
+                if not w.write(shard, view, digest):
                     task.set(i, OK)  # the block got complete meanwhile
                     return
                 with task.guard() as ok:

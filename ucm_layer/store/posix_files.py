@@ -4,8 +4,15 @@ Layout: ``<dir>/<xyz>/<32 hex digits of the id>``, where ``<dir>`` is one of the
 directories (chosen by the id's first two bytes) and ``<xyz>`` the id's first three hex
 digits (up to 4096 prefix directories per backend directory, each made by the first
 write that needs it). A block file holds its shards
-at fixed offsets: shard ``k`` at ``k * shard_bytes``; the file's size is exactly
-``num_shards * shard_bytes``.
+at fixed offsets: shard ``k`` at ``k * shard_bytes``, then a *trailer*: ``MAGIC`` and one
+little-endian 8-byte xxh3 digest per shard (``kvfabric.platform.checksum``), computed by
+the shard's writer from the bytes it wrote. The trailer is padded to ``ALIGN`` when the
+shard size is a multiple of ``ALIGN`` (so O_DIRECT reads and writes of data plus trailer
+stay aligned), else it is ``8 + 8 * num_shards`` bytes. The file's size is exactly
+``num_shards * shard_bytes + trailer_bytes``: a file of any other size (truncated, or
+written before trailers existed) is corrupt. The checksum lives in the file, not in an
+xattr, because it then travels with the bytes through every rename, copy and file system
+(tmpfs, NFS and Lustre differ on user xattrs) and is read by the same ``preadv``.
 
 Atomicity (no torn block is ever visible, whoever dies when):
 
@@ -14,12 +21,13 @@ Atomicity (no torn block is ever visible, whoever dies when):
   only a ``.tmp`` file, which maintenance removes (at once when its pid is dead on this
   host, else after ``tmp_ttl``).
 * Several shards per block (written by different calls, possibly different processes):
-  writers share ``<id>.part``, sized ``num_shards * shard_bytes + num_shards``; the
-  trailing bytes are arrival flags. A writer takes a shared ``flock``, checks the
-  file is still the current ``.part`` (same inode), writes its shard, then sets its flag;
-  then under an exclusive lock, whoever sees every flag set truncates the flags away and
-  renames the file into place. A shard written but not flagged is simply rewritten by
-  the next writer of that shard.
+  writers share ``<id>.part``, sized ``num_shards * shard_bytes + trailer_bytes +
+  num_shards``; the last bytes are arrival flags. A writer takes a shared ``flock``,
+  checks the file is still the current ``.part`` (same inode), writes its shard and its
+  digest in the trailer, then sets its flag; then under an exclusive lock, whoever sees
+  every flag set writes ``MAGIC``, truncates the flags away and renames the file into
+  place. A shard written but not flagged is simply rewritten (digest included) by the
+  next writer of that shard.
 
 ``FileIO`` wraps the system calls so tests can inject ENOSPC, I/O errors and stalls.
 """
@@ -31,17 +39,39 @@ import fcntl
 import itertools
 import os
 import socket
+import struct
 from collections.abc import Sequence
 
 import numpy as np
 
+from kvfabric.errors import KVFabricError
 from kvfabric.ucm_layer.hashing import to_hex
 
 PREFIX_DIGITS = 3
 PREFIX_DIRS = 16**PREFIX_DIGITS  # 4096
 ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and memory
+MAGIC = b"KVFSUM01"  # the trailer's first bytes (format version 1: xxh3-64 per shard)
 HOST = socket.gethostname().replace(".", "_") or "host"
 _counter = itertools.count()
+
+
+def trailer_bytes(num_shards: int, shard_bytes: int) -> int:
+    """Bytes of a block file's trailer (see module docstring)."""
+    meta = len(MAGIC) + 8 * num_shards
+    return -(-meta // ALIGN) * ALIGN if shard_bytes % ALIGN == 0 else meta
+
+
+def pack_trailer(digests: Sequence[int], size: int) -> bytes:
+    """A trailer of ``size`` bytes holding ``digests`` (one per shard, in shard order)."""
+    body = MAGIC + struct.pack(f"<{len(digests)}Q", *digests)
+    return body + bytes(size - len(body))
+
+
+def trailer_digest(trailer: bytes | memoryview, shard: int) -> int:
+    """The digest a trailer records for ``shard``; 0 (none) when it is not a trailer."""
+    if bytes(trailer[: len(MAGIC)]) != MAGIC or len(trailer) < len(MAGIC) + 8 * (shard + 1):
+        return 0
+    return int(struct.unpack_from("<Q", trailer, len(MAGIC) + 8 * shard)[0])
 
 
 class FileIO:
@@ -107,13 +137,42 @@ class FileIO:
         os.utime(fd)
 
 
+class DirectoryUnusable(KVFabricError):
+    """A backend directory of the posix store cannot hold block files (not a directory,
+    read-only, no permission, full): raised at start so the engine does not serve with a
+    store whose every save would fail."""
+
+
+def check_writable(directory: str) -> None:
+    """Create, write one ``ALIGN`` page to and remove a probe file in ``directory``, or raise
+    :class:`DirectoryUnusable` naming the directory and the system's reason."""
+    probe = os.path.join(directory, f".kvf-write-probe.{HOST}.{os.getpid()}.{next(_counter)}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if os.write(fd, bytes(ALIGN)) != ALIGN:
+                raise OSError(errno.ENOSPC, "short write")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise DirectoryUnusable(
+            f"posix store: directory {directory!r} cannot be written ({e}): every save would fail; "
+            "fix posix.dirs (a writable directory with free space) before starting"
+        ) from e
+
+
 class BlockFiles:
     """Where each block's file lives (see module docstring)."""
 
     def __init__(self, dirs: Sequence[str]) -> None:
         self.dirs = tuple(os.path.join(d, "") for d in dirs)  # with a trailing separator
         for d in self.dirs:
-            os.makedirs(d, exist_ok=True)  # prefix directories are made on first write
+            try:
+                os.makedirs(d, exist_ok=True)  # prefix directories are made on first write
+            except OSError as e:
+                raise DirectoryUnusable(f"posix store: cannot make directory {d!r}: {e}") from e
+            check_writable(d)
 
     def dir_index(self, ids: np.ndarray) -> np.ndarray:
         if len(self.dirs) == 1:
@@ -143,9 +202,12 @@ class BlockFiles:
         return final + ".part"
 
 
-def write_single(io: FileIO, final: str, view: memoryview, direct: bool, fsync: bool) -> str:
-    """Write a one-shard block to a fresh temporary file; return its name (not yet visible).
-    On failure the temporary file is removed and the error raised."""
+def write_single(
+    io: FileIO, final: str, view: memoryview, direct: bool, fsync: bool, trailer: bytes | None = None
+) -> str:
+    """Write a one-shard block (``view``, then ``trailer`` unless ``view`` already ends with
+    it) to a fresh temporary file; return its name (not yet visible). On failure the
+    temporary file is removed and the error raised."""
     tmp = BlockFiles.tmp_name(final)
     try:
         fd = io.open_new(tmp, direct)
@@ -154,6 +216,8 @@ def write_single(io: FileIO, final: str, view: memoryview, direct: bool, fsync: 
         fd = io.open_new(tmp, direct)
     try:
         io.write_from(fd, view, 0)
+        if trailer is not None:
+            io.write_from(fd, memoryview(trailer), len(view))
         if fsync:
             io.fsync(fd)
     except BaseException:
@@ -164,7 +228,7 @@ def write_single(io: FileIO, final: str, view: memoryview, direct: bool, fsync: 
     return tmp
 
 
-def _same_file(fd: int, path: str) -> bool:
+def same_file(fd: int, path: str) -> bool:
     try:
         a, b = os.fstat(fd), os.stat(path)
     except FileNotFoundError:
@@ -178,14 +242,21 @@ class PartWriter:
     def __init__(self, io: FileIO, final: str, num_shards: int, shard_bytes: int, fsync: bool) -> None:
         self.io, self.final, self.part = io, final, BlockFiles.part_name(final)
         self.num_shards, self.shard_bytes, self.fsync = num_shards, shard_bytes, fsync
+        self.trailer_bytes = trailer_bytes(num_shards, shard_bytes)
         self.fd = -1
 
     @property
     def data_bytes(self) -> int:
         return self.num_shards * self.shard_bytes
 
-    def write(self, shard: int, view: memoryview) -> bool:
-        """Write shard data (not flagged yet). False when the block got complete meanwhile."""
+    @property
+    def file_bytes(self) -> int:
+        """The size of the finished block file (data and trailer)."""
+        return self.data_bytes + self.trailer_bytes
+
+    def write(self, shard: int, view: memoryview, digest: int) -> bool:
+        """Write shard data and its digest (not flagged yet). False when the block got
+        complete meanwhile."""
         for _ in range(100):
             if os.access(self.final, os.F_OK):
                 return False
@@ -195,9 +266,12 @@ class PartWriter:
                 os.makedirs(os.path.dirname(self.part), exist_ok=True)
                 fd = self.io.open_part(self.part)
             fcntl.flock(fd, fcntl.LOCK_SH)
-            if _same_file(fd, self.part):
+            if same_file(fd, self.part):
                 self.fd = fd
                 self.io.write_from(fd, view, shard * self.shard_bytes)
+                self.io.write_from(
+                    fd, memoryview(struct.pack("<Q", digest)), self.data_bytes + len(MAGIC) + 8 * shard
+                )
                 if self.fsync:
                     self.io.fsync(fd)
                 return True
@@ -208,14 +282,15 @@ class PartWriter:
         """Flag the shard; the writer that completes the block renames it into place (and
         gets True)."""
         fd = self.fd
-        self.io.write_from(fd, memoryview(b"\x01"), self.data_bytes + shard)
+        self.io.write_from(fd, memoryview(b"\x01"), self.file_bytes + shard)
         fcntl.flock(fd, fcntl.LOCK_UN)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if not _same_file(fd, self.part):
+        if not same_file(fd, self.part):
             return False  # another writer completed it
-        flags = os.pread(fd, self.num_shards, self.data_bytes)
+        flags = os.pread(fd, self.num_shards, self.file_bytes)
         if len(flags) == self.num_shards and all(flags):
-            os.ftruncate(fd, self.data_bytes)
+            self.io.write_from(fd, memoryview(MAGIC), self.data_bytes)
+            os.ftruncate(fd, self.file_bytes)
             if self.fsync:
                 self.io.fsync(fd)
             self.io.rename(self.part, self.final)
