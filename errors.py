@@ -26,6 +26,13 @@ class KeyNotFound(KVFabricError):
     """A key or block id is not present (or not readable yet)."""
 
 
+class CorruptObject(KeyNotFound):
+    """Bytes read do not match the checksum their writer recorded: served as a miss.
+
+    A subclass of :class:`KeyNotFound` so that every caller that turns a missing object
+    into a miss (a recompute, for an engine) does the same with a corrupt one."""
+
+
 class TransferFailed(KVFabricError):
     """Bytes could not be moved: a copy, an xcopy or a store transfer failed."""
 
@@ -51,6 +58,7 @@ class StaleSegmentTable(KVFabricError):
 
 
 __all__ = [
+    "CorruptObject",
     "HandleError",
     "KVFabricError",
     "KeyNotFound",

@@ -34,12 +34,14 @@ typedef struct {
 } kvf_hdr;
 
 typedef struct {
-    uint64_t seq, hash, gva, size, gen, key_off;
-    uint32_t key_len, atime, expire;
-    uint8_t state, pad[3];
+    uint64_t seq, hash, gva, size, gen, csum;
+    uint32_t key_off, atime, expire;
+    uint16_t key_len;
+    uint8_t state, pad;
 } kvf_slot;
 
 #define LOAD_ACQ(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define KVF_OUT 7 /* fields a lookup reports per key */
 
 uint64_t kvf_key_hash(const uint8_t *key, uint64_t len)
 {
@@ -51,7 +53,7 @@ uint64_t kvf_key_hash(const uint8_t *key, uint64_t len)
     return h ? h : 1;                                /* 0 marks an empty slot */
 }
 
-/* Find `key` (hash h). out[0..5] = seq, gva, size, gen, state, expire of the slot.
+/* Find `key` (hash h). out[0..6] = seq, gva, size, gen, state, expire, csum of the slot.
  * Returns the slot index, -1 when absent, -2 when writers kept it busy too long. */
 int64_t kvf_tbl_lookup(uint64_t base, uint64_t h, const uint8_t *key, uint32_t klen, uint64_t *out)
 {
@@ -79,11 +81,12 @@ int64_t kvf_tbl_lookup(uint64_t base, uint64_t h, const uint8_t *key, uint32_t k
             if (off > asize || klen > asize - off) continue;   /* torn read: re-checked below */
             int same = memcmp(arena + off, key, klen) == 0;
             uint64_t gva = s->gva, size = s->size, gen = s->gen;
-            uint64_t state = s->state, expire = s->expire;
+            uint64_t state = s->state, expire = s->expire, csum = s->csum;
             __atomic_thread_fence(__ATOMIC_ACQUIRE);
             if (__atomic_load_n(&s->seq, __ATOMIC_RELAXED) != s1) { busy = 1; break; }
             if (!same) continue;
             out[0] = s1; out[1] = gva; out[2] = size; out[3] = gen; out[4] = state; out[5] = expire;
+            out[6] = csum;
             found = (int64_t)i;
             break;
         }
@@ -96,14 +99,14 @@ int64_t kvf_tbl_lookup(uint64_t base, uint64_t h, const uint8_t *key, uint32_t k
 }
 
 /* Batched lookup: keys packed in `keys` at offs[k]..offs[k]+lens[k]; results into
- * idx[k] (slot, -1, -2) and out[6k..6k+5]; hashes computed here. Returns hits. */
+ * idx[k] (slot, -1, -2) and out[7k..7k+6]; hashes computed here. Returns hits. */
 uint64_t kvf_tbl_lookup_batch(uint64_t base, const uint8_t *keys, const uint64_t *offs,
                               const uint32_t *lens, uint64_t n, int64_t *idx, uint64_t *out)
 {
     uint64_t hits = 0;
     for (uint64_t k = 0; k < n; k++) {
         const uint8_t *key = keys + offs[k];
-        idx[k] = kvf_tbl_lookup(base, kvf_key_hash(key, lens[k]), key, lens[k], out + 6 * k);
+        idx[k] = kvf_tbl_lookup(base, kvf_key_hash(key, lens[k]), key, lens[k], out + KVF_OUT * k);
         hits += idx[k] >= 0;
     }
     return hits;
@@ -170,18 +173,20 @@ int64_t kvf_tbl_insert(uint64_t base, uint64_t h, const uint8_t *key, uint32_t k
     while (slots[i].hash != 0) i = (i + 1 == nslots) ? 0 : i + 1;
     kvf_slot *s = &slots[i];
     kvf_seq_begin((uint64_t)(uintptr_t)&s->seq);
-    s->hash = h; s->gva = gva; s->size = size; s->gen = gen; s->key_off = off; s->key_len = klen;
+    s->hash = h; s->gva = gva; s->size = size; s->gen = gen; s->csum = 0;
+    s->key_off = (uint32_t)off; s->key_len = (uint16_t)klen;
     s->atime = now; s->expire = expire; s->state = (uint8_t)state;
     kvf_seq_end((uint64_t)(uintptr_t)&s->seq);
     hdr->count += 1;
     return (int64_t)i;
 }
 
-/* Change a slot's state, recency and expiry under its sequence counter. */
-void kvf_tbl_set_state(uint64_t base, int64_t i, uint32_t state, uint32_t now, uint32_t expire)
+/* Change a slot's state, recency, expiry and checksum under its sequence counter. */
+void kvf_tbl_set_state(uint64_t base, int64_t i, uint32_t state, uint32_t now, uint32_t expire,
+                       uint64_t csum)
 {
     kvf_slot *s = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr)) + i;
     kvf_seq_begin((uint64_t)(uintptr_t)&s->seq);
-    s->state = (uint8_t)state; s->atime = now; s->expire = expire;
+    s->state = (uint8_t)state; s->atime = now; s->expire = expire; s->csum = csum;
     kvf_seq_end((uint64_t)(uintptr_t)&s->seq);
 }

@@ -22,6 +22,12 @@ placed in its memory (its own puts first), and it re-registers those objects if 
 service restarts. ``metadata_only``: no fabric, no data path; only ``exists`` and the
 other metadata calls. ``local_reads=False``: read like a client on another node (RPC read
 leases), which is also how that path is tested.
+
+Integrity: every object carries its writer's checksum; with ``verify`` on (the pool's
+setting unless the client says otherwise) a read counts only once the bytes it copied
+match it. A mismatch is a miss (``CorruptObject``, a ``KeyNotFound``; ``Status.CORRUPT``
+in batches), counted in ``corrupt`` and logged once; the object is removed so that the
+next put rewrites it. Writes stop before their lease runs out (``writes.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import numpy as np
 from kvfabric.errors import KeyNotFound, LeaseExpired, OutOfSpace, TransferFailed
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
+from kvfabric.platform.checksum import Verify
 from kvfabric.platform.procmaps import check_mapped
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
@@ -80,6 +87,7 @@ class PoolClient:
         metadata_only: bool = False,
         local_reads: bool = True,
         client_id: str | None = None,
+        verify: Verify | str | bool | None = None,
     ) -> None:
         self.transport = transport
         self.platform = platform
@@ -97,6 +105,8 @@ class PoolClient:
         self.reader = Reader(self)
         info = self._call(p.Info()).data
         self.addr = FixedStride(info["stride"])
+        self.write_lease_s = float(info.get("write_lease_s", 10.0))
+        self.verify = Verify.parse(info.get("verify", "on") if verify is None else verify)
         try:
             if not metadata_only:
                 if window_bytes:

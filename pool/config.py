@@ -1,8 +1,12 @@
 """``PoolConfig``: everything the pool daemon, the embedded pool and clients are told.
 
 Built from keyword arguments, a flat mapping, or a YAML file (``from_file``); every
-value is validated on construction with an error naming the key. Sizes accept ``"4GiB"``
-style strings. ``effective()`` is what the daemon logs once at start-up.
+value is validated on construction with an error naming the key: first its type, from the
+field's annotation (``kvfabric.settings``: booleans from ``true/false/on/off/yes/no/1/0``
+only, numbers from numbers or their text, ``Size`` fields also from ``"4GiB"`` style
+strings; a new field is covered by its annotation), then its range. Unknown keys are
+refused with the sorted list of the known ones. ``effective()`` is what the daemon logs
+once at start-up.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfabric.envs import parse_size
+from kvfabric.settings import Size, coerce_fields, from_mapping
 
 
 def _host_port(value: str, key: str) -> tuple[str, int]:
@@ -41,7 +45,7 @@ class PoolConfig:
     """Pool daemon / embedded pool configuration (see field comments)."""
 
     name: str = "default"  # pool name: names the socket and the shared segments
-    dram: int = 1 << 30  # bytes of DRAM the service contributes as its own rank (0: none)
+    dram: Size = 1 << 30  # bytes of DRAM the service contributes as its own rank (0: none)
     max_objects: int = 1 << 18  # directory capacity
     high_watermark: float = 0.9  # evict when a window is fuller than this...
     low_watermark: float = 0.8  # ...down to this
@@ -52,23 +56,20 @@ class PoolConfig:
     tcp: str = ""  # "HOST:PORT" to also serve RPC over TCP ("" -> off)
     token: str = ""  # shared secret required on TCP connections
     http: str = ""  # "HOST:PORT" of the HTTP endpoint (/health, /metrics, ...; "" -> off)
-    align: int = 256  # allocation granularity in bytes
+    align: Size = 256  # allocation granularity in bytes
     rpc_timeout_s: float = 1.0  # clients: a call not answered by then is ServiceUnavailable
     rpc_spin_us: float = 100.0  # daemon: poll a Unix connection this long for a request, then sleep
     pretouch: bool = True  # fault the service's window in at start (first touch is slow)
     rendezvous: str = ""  # "" -> the node hosts one; else a store url (etcd://host:port)
     session_ttl_s: float = 10.0  # a rank silent this long (hung, not exited) leaves the pool
     transports: str = "mapped"  # GVA transports ranks may use, in order ("mapped,remote")
+    verify: str = "on"  # readers check the writer's checksum before a read counts ("on" / "off")
+    fence_grace_s: float = 60.0  # expired writes of unwatchable writers stay fenced this long
 
     def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"pool config {key}")
         if not self.name or any(c in self.name for c in "/ \0"):
             raise ValueError(f"pool config name={self.name!r}: a non-empty name without '/' or spaces")
-        for key in ("dram", "max_objects", "align"):
-            value = getattr(self, key)
-            if isinstance(value, str):
-                object.__setattr__(self, key, parse_size(value))
-            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"pool config {key}={value!r}: expected a non-negative size")
         if self.max_objects < 1:
             raise ValueError("pool config max_objects must be >= 1")
         if self.align & (self.align - 1) or self.align == 0:
@@ -98,6 +99,14 @@ class PoolConfig:
             )
         if self.token and not self.tcp:
             raise ValueError("pool config token is only used with tcp; set tcp=HOST:PORT")
+        from kvfabric.platform.checksum import Verify
+
+        object.__setattr__(self, "verify", Verify.parse(self.verify, "pool config verify").value)
+        if self.fence_grace_s < self.write_lease_s:
+            raise ValueError(
+                f"pool config fence_grace_s ({self.fence_grace_s}) must be >= "
+                f"write_lease_s ({self.write_lease_s})"
+            )
         if not self.socket:
             object.__setattr__(self, "socket", default_socket(self.name))
 
@@ -111,12 +120,7 @@ class PoolConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], **overrides: Any) -> PoolConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        merged = {**dict(data), **{k: v for k, v in overrides.items() if v is not None}}
-        unknown = sorted(set(merged) - known)
-        if unknown:
-            raise ValueError(f"unknown pool config key(s) {unknown}; known: {sorted(known)}")
-        return cls(**merged)
+        return from_mapping(cls, data, "pool config", **overrides)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> PoolConfig:

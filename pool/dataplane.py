@@ -28,7 +28,7 @@ import numpy as np
 from kvfabric.errors import RankUnavailable, TransferFailed
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import CopyBatch, Medium
-from kvfabric.pool.gva.fabric import Fabric
+from kvfabric.pool.gva.fabric import Fabric, FabricState
 from kvfabric.pool.gva.handle import ItemStatus
 
 _REGION_MEDIUM = {1: Medium.DRAM, 2: Medium.HBM}
@@ -57,8 +57,10 @@ class FabricDataPlane:
         return self._xcopy(gvas, srcs, sizes)
 
     def write_one(self, gva: int, ptr: int, n: int, host_user: bool) -> bool:
-        """Copy one caller piece to ``gva``; True when it arrived."""
-        near = self._direct(gva, n, host_user)
+        """Copy one caller piece to ``gva``; True when it arrived. Like every copy of the
+        fabric, it copies only while this process is still a member: a rank evicted
+        meanwhile (its space may belong to other objects by now) writes nothing."""
+        near = self._direct(gva, n, host_user) if self.fab.state is FabricState.JOINED else None
         if near is None:
             return bool(self.write(*_one(gva, ptr, n)).all())
         ctypes.memmove(near, ptr, n)

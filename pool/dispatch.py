@@ -58,13 +58,16 @@ class Dispatcher:
         self._info = dict(info)
         self.started = time.time()
 
-    def handle(self, req: Any) -> p.Reply:
+    def handle(self, req: Any, pid: int = 0) -> p.Reply:
+        """Serve one request. ``pid``: the caller's process when it is on this node (the
+        RPC server reads it from the Unix socket; in-process callers pass their own), so
+        space fenced for a writer that stalled is released once that process is gone."""
         op = type(req).__struct_config__.tag
         t0 = time.perf_counter()
         with self.lock:
             try:
                 self.check_request(req)
-                reply = self._dispatch(req)
+                reply = self._dispatch(req, pid)
             except (ValueError, TypeError, KeyError) as e:
                 reply = p.Reply(self.epoch, error=f"{op}: {e}")
             self.metrics.observe(op, time.perf_counter() - t0, reply)
@@ -90,7 +93,7 @@ class Dispatcher:
 
     def check_request(self, req: Any) -> None:
         """Refuse a request with a bad field (``ValueError`` naming it); call under the lock."""
-        if isinstance(req, (p.Lookup, p.Exists, p.Remove)):
+        if isinstance(req, (p.Lookup, p.Exists, p.Remove, p.Renew)):
             check_keys(req.keys)
         elif isinstance(req, p.Alloc):
             check_lengths("keys", req.keys, sizes=req.sizes)
@@ -105,7 +108,9 @@ class Dispatcher:
             if req.medium is not None:
                 Medium.parse(req.medium)
         elif isinstance(req, p.Commit):
-            check_lengths("keys", req.keys, ok=req.ok)
+            check_lengths("keys", req.keys, ok=req.ok, **({} if req.sums is None else {"sums": req.sums}))
+            if req.sums is not None:
+                check_ints(req.sums, "sums")
             check_keys(req.keys)
             if not all(isinstance(f, bool) for f in req.ok):
                 raise ValueError("ok holds booleans")
@@ -116,7 +121,8 @@ class Dispatcher:
         elif isinstance(req, p.Release):
             check_ints(req.lease_ids, "lease_ids")
         elif isinstance(req, p.Reregister):
-            check_lengths("keys", req.keys, gvas=req.gvas, sizes=req.sizes, gens=req.gens)
+            extra = {} if req.sums is None else {"sums": req.sums}
+            check_lengths("keys", req.keys, gvas=req.gvas, sizes=req.sizes, gens=req.gens, **extra)
             check_keys(req.keys)
             sizes = check_sizes(req.sizes, hi=self._max_object())
             check_ints(req.gens, "gens")
@@ -153,17 +159,21 @@ class Dispatcher:
                 f"{name} = {gva:#x}: {size} B at offset {off} run past the {w.size} B window of rank {rank}"
             )
 
-    def _dispatch(self, req: Any) -> p.Reply:
+    def _dispatch(self, req: Any, pid: int = 0) -> p.Reply:
         s, e = self.service, self.epoch
         if isinstance(req, p.Lookup):
-            st, g, sz, gen, lid = s.lookup(req.keys, req.lease)
-            return p.Reply(e, status=st, gvas=g, sizes=sz, gens=gen, lease_ids=lid)
+            st, g, sz, gen, lid, sums = s.lookup(req.keys, req.lease)
+            return p.Reply(e, status=st, gvas=g, sizes=sz, gens=gen, lease_ids=lid, sums=sums)
         if isinstance(req, p.Alloc):
             medium = None if req.medium is None else Medium.parse(req.medium)
-            st, g, gen = s.alloc(req.client, req.keys, req.sizes, req.home_rank, req.preferred_rank, medium)
+            st, g, gen = s.alloc(
+                req.client, req.keys, req.sizes, req.home_rank, req.preferred_rank, medium, pid
+            )
             return p.Reply(e, status=st, gvas=g, gens=gen)
         if isinstance(req, p.Commit):
-            return p.Reply(e, status=s.commit(req.client, req.keys, req.ok, req.ttl_s))
+            return p.Reply(e, status=s.commit(req.client, req.keys, req.ok, req.ttl_s, req.sums))
+        if isinstance(req, p.Renew):
+            return p.Reply(e, status=s.renew(req.client, req.keys))
         if isinstance(req, p.Exists):
             return p.Reply(e, flags=s.exists(req.keys))
         if isinstance(req, p.Release):
@@ -173,7 +183,7 @@ class Dispatcher:
         if isinstance(req, p.RemoveAll):
             return p.Reply(e, data={"removed": s.remove_all()})
         if isinstance(req, p.Reregister):
-            return p.Reply(e, status=s.reregister(req.keys, req.gvas, req.sizes, req.gens))
+            return p.Reply(e, status=s.reregister(req.keys, req.gvas, req.sizes, req.gens, req.sums))
         if isinstance(req, p.ListKeys):
             return p.Reply(e, data=self._list_keys(req))
         if isinstance(req, (p.Info, p.Hello)):
@@ -185,6 +195,8 @@ class Dispatcher:
         return {
             **self._info,
             "epoch": self.epoch,
+            "write_lease_s": s.config.write_lease_s,
+            "verify": s.config.verify,
             "objects": s.table.count,
             "max_objects": s.table.capacity,
             "ranks": sorted({r for r, _ in s.windows}),

@@ -18,6 +18,7 @@ and never touches objects under a lease or not yet READABLE.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import numpy as np
@@ -26,11 +27,14 @@ from kvfabric.errors import OutOfSpace
 from kvfabric.platform.types import Medium
 from kvfabric.pool.allocator import ExtentAllocator
 from kvfabric.pool.config import PoolConfig
+from kvfabric.pool.fence import WriteFence
 from kvfabric.pool.status import Status
 from kvfabric.pool.table import SlotState, TableView, now_ticks, ticks_passed
 from kvfabric.pool.table_writer import TableWriter
 from kvfabric.pool.upkeep import Counters, ReadLease, Upkeep, Window, WriteLease
 from kvfabric.pool.windows import Addressing
+
+log = logging.getLogger("kvfabric.pool")
 
 
 class MetaService(Upkeep):
@@ -51,6 +55,8 @@ class MetaService(Upkeep):
         self._gen = itertools.count(1)
         self._lease_ids = itertools.count(1)
         self.counters = Counters()
+        self.fence = WriteFence(self.table, self.windows, self.counters, config.fence_grace_s)
+        self._full_warned = False
 
     # ------------------------------------------------------------------ windows
     def add_window(self, rank: int, medium: Medium, size: int) -> Window:
@@ -60,6 +66,7 @@ class MetaService(Upkeep):
             rank, medium, size, ExtentAllocator(size, self.config.align), self.addr.encode(medium, rank, 0)
         )
         self.windows[(rank, medium)] = win
+        self.fence.window_added(win, self.clock())
         return win
 
     def drop_rank(self, rank: int) -> int:
@@ -76,6 +83,7 @@ class MetaService(Upkeep):
                     removed += 1
             for lid in [i for i, lease in self.read_leases.items() if w.lo <= lease.gva < w.hi]:
                 self._end_read_lease(lid)
+            self.fence.drop_window(w)
             del self.windows[(w.rank, w.medium)]
         return removed
 
@@ -96,12 +104,14 @@ class MetaService(Upkeep):
         home_rank: int | None = None,
         preferred_rank: int | None = None,
         medium: Medium | None = None,
+        pid: int = 0,
     ) -> tuple[list[int], list[int], list[int]]:
-        """Space for each key: ``(status, gva, generation)`` lists."""
+        """Space for each key: ``(status, gva, generation)`` lists. ``pid``: the writer's
+        process when it runs on this node (its fenced space is released when it dies)."""
         now = self.clock()
         st, gvas, gens = [], [], []
         for key, size in zip(keys, sizes):
-            s, g, n = self._alloc_one(client, key, size, home_rank, preferred_rank, medium, now)
+            s, g, n = self._alloc_one(client, key, size, home_rank, preferred_rank, medium, now, pid)
             st.append(s)
             gvas.append(g)
             gens.append(n)
@@ -122,6 +132,7 @@ class MetaService(Upkeep):
         preferred: int | None,
         medium: Medium | None,
         now: float,
+        pid: int = 0,
     ) -> tuple[int, int, int]:
         if size <= 0:
             return Status.INVALID, 0, 0
@@ -143,24 +154,70 @@ class MetaService(Upkeep):
         for w, off in [placed] if placed is not None else []:
             gen = next(self._gen)
             gva = w.lo + off
-            try:
-                self.table.insert(key, gva, size, gen, SlotState.ALLOCATED)
-            except OutOfSpace:
+            if not self._insert(key, gva, size, gen):
                 w.alloc.free(off, size)
                 return Status.NO_SPACE, 0, 0
-            self.write_leases[key] = WriteLease(client, gva, size, gen, now + self.config.write_lease_s)
+            self.write_leases[key] = WriteLease(client, gva, size, gen, now + self.config.write_lease_s, pid)
             self._watermark(w)
             return Status.OK, gva, gen
         return Status.NO_SPACE, 0, 0
 
-    def commit(self, client: str, keys: list[bytes], ok: list[bool], ttl_s: float | None = None) -> list[int]:
-        """Publish (``ok``) or abandon each allocated key of ``client``."""
+    def _insert(self, key: bytes, gva: int, size: int, gen: int) -> bool:
+        """A new ALLOCATED slot; a full directory evicts its least recently used object."""
+        for _ in range(2):
+            try:
+                self.table.insert(key, gva, size, gen, SlotState.ALLOCATED)
+                return True
+            except OutOfSpace as e:
+                if not self._evict_one_slot():
+                    if not self._full_warned:
+                        self._full_warned = True
+                        log.warning(
+                            "pool directory full (max_objects=%d) and nothing evictable: %s",
+                            self.config.max_objects,
+                            e,
+                        )
+                    return False
+        return False
+
+    def _evict_one_slot(self) -> bool:
+        """Evict the least recently used READABLE object not under a read lease (any window)."""
+        s = self.table.slots
+        idx = np.flatnonzero(s["state"] == int(SlotState.READABLE))
+        if self._leased and idx.size:
+            leased = np.fromiter(self._leased, np.uint64, len(self._leased))
+            idx = idx[~np.isin(s["gva"][idx], leased)]
+        if not idx.size:
+            return False
+        slot_i = int(idx[np.argmin(s["atime"][idx])])
+        key = self.table.view.key_of(slot_i)
+        hit = self.table.find(key)
+        if hit is None:
+            return False
+        self._free_object(hit.slot, key, hit.gva, hit.size)
+        self.counters.evicted_objects += 1
+        self.counters.evicted_bytes += hit.size
+        return True
+
+    def commit(
+        self,
+        client: str,
+        keys: list[bytes],
+        ok: list[bool],
+        ttl_s: float | None = None,
+        sums: list[int] | None = None,
+    ) -> list[int]:
+        """Publish (``ok``) or abandon each allocated key of ``client``. ``sums``: the
+        writer's checksum of each object (``platform.checksum``; 0 or absent: none). A
+        commit of a key whose lease expired releases its fenced space (the writer has
+        stopped copying) and answers LEASE_EXPIRED."""
         ttl = self.config.default_ttl_s if ttl_s is None else ttl_s
         expire = (now_ticks() + int(ttl * 10)) & 0xFFFFFFFF if ttl > 0 else 0
         out = []
-        for key, good in zip(keys, ok):
+        for i, (key, good) in enumerate(zip(keys, ok)):
             lease = self.write_leases.get(key)
             if lease is None or lease.client != client:
+                self.fence.writer_done(client, key)
                 out.append(Status.LEASE_EXPIRED)
                 continue
             del self.write_leases[key]
@@ -169,7 +226,8 @@ class MetaService(Upkeep):
                 out.append(Status.LEASE_EXPIRED)
                 continue
             if good:
-                self.table.set_state(hit.slot, SlotState.READABLE, expire)
+                csum = int(sums[i]) if sums else 0
+                self.table.set_state(hit.slot, SlotState.READABLE, expire, csum)
                 out.append(Status.OK)
             else:
                 self._free_object(hit.slot, key, hit.gva, hit.size)
@@ -177,29 +235,46 @@ class MetaService(Upkeep):
         self.counters.count("commit", len(keys), sum(1 for s in out if s != Status.OK))
         return out
 
+    def renew(self, client: str, keys: list[bytes]) -> list[int]:
+        """Extend the write leases ``client`` holds on ``keys`` (a long copy in flight)."""
+        until = self.clock() + self.config.write_lease_s
+        out = []
+        for key in keys:
+            lease = self.write_leases.get(key)
+            if lease is None or lease.client != client:
+                out.append(Status.LEASE_EXPIRED)
+                continue
+            lease.expires = until
+            out.append(Status.OK)
+        self.counters.count("renew", len(keys), out.count(Status.LEASE_EXPIRED))
+        return out
+
     # ------------------------------------------------------------------ reads
     def lookup(
         self, keys: list[bytes], lease: bool = True
-    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """``(status, gva, size, gen, lease_id)`` per key; lease_id 0 without a lease."""
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
+        """``(status, gva, size, gen, lease_id, checksum)`` per key; lease_id 0 without a
+        lease. Recency is marked the way on-node readers mark it (outside the slot's
+        sequence counter), so remote reads never make on-node readers retry."""
         now = self.clock()
-        st, gvas, sizes, gens, lids = [], [], [], [], []
+        st, gvas, sizes, gens, lids, sums = [], [], [], [], [], []
         for key in keys:
             hit = self._readable(key)
             if hit is None:
                 st.append(Status.NOT_FOUND)
-                gvas.append(0), sizes.append(0), gens.append(0), lids.append(0)
+                gvas.append(0), sizes.append(0), gens.append(0), lids.append(0), sums.append(0)
                 continue
             lid = 0
             if lease:
                 lid = next(self._lease_ids)
                 self.read_leases[lid] = ReadLease(key, hit.gva, hit.gen, now + self.config.read_lease_s)
                 self._leased[hit.gva] = self._leased.get(hit.gva, 0) + 1
-            self.table.update(hit.slot, atime=now_ticks())
+            self.table.view.touch(hit.slot)
             st.append(Status.OK)
             gvas.append(hit.gva), sizes.append(hit.size), gens.append(hit.gen), lids.append(lid)
+            sums.append(hit.csum)
         self.counters.count("lookup", len(keys), st.count(Status.NOT_FOUND))
-        return st, gvas, sizes, gens, lids
+        return st, gvas, sizes, gens, lids, sums
 
     def release(self, lease_ids: list[int]) -> list[int]:
         """End read leases: OK if the object stayed intact for the whole lease."""
@@ -272,10 +347,18 @@ class MetaService(Upkeep):
         else:
             w.alloc.free(gva - w.lo, size)
 
-    def reregister(self, keys: list[bytes], gvas: list[int], sizes: list[int], gens: list[int]) -> list[int]:
-        """Rebuild: a rank that owns data reports objects it holds (READABLE ones only)."""
+    def reregister(
+        self,
+        keys: list[bytes],
+        gvas: list[int],
+        sizes: list[int],
+        gens: list[int],
+        sums: list[int] | None = None,
+    ) -> list[int]:
+        """Rebuild: a rank that owns data reports objects it holds (READABLE ones only),
+        with their checksums."""
         out = []
-        for key, gva, size, gen in zip(keys, gvas, sizes, gens):
+        for i, (key, gva, size, gen) in enumerate(zip(keys, gvas, sizes, gens)):
             try:
                 w = self._window_of(gva)
                 if self.table.find(key) is not None:
@@ -285,7 +368,9 @@ class MetaService(Upkeep):
             except (KeyError, ValueError):
                 out.append(Status.INVALID)
                 continue
-            self.table.insert(key, gva, size, gen, SlotState.READABLE)
+            slot, _ = self.table.insert(key, gva, size, gen, SlotState.READABLE)
+            if sums and sums[i]:
+                self.table.update(slot, csum=int(sums[i]))
             self._gen = itertools.count(max(next(self._gen), gen + 1))
             out.append(Status.OK)
         return out
@@ -299,6 +384,7 @@ class MetaService(Upkeep):
                 "used": w.alloc.used,
                 "free": w.alloc.free_bytes,
                 "evictions": w.evictions,
+                "fenced": sum(f.size for g, f in self.fence.fences.items() if w.lo <= g < w.hi),
             }
             for w in sorted(self.windows.values(), key=lambda w: (w.rank, w.medium.value))
         ]

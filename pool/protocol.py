@@ -56,6 +56,14 @@ class Commit(msgspec.Struct, tag="commit", frozen=True):
     keys: Keys
     ok: Annotated[list[bool], Meta(max_length=MAX_BATCH)]
     ttl_s: Annotated[float, Meta(ge=0)] | None = None
+    sums: U64s | None = None  # the writer's checksum per object (platform.checksum; 0: none)
+
+
+class Renew(msgspec.Struct, tag="renew", frozen=True):
+    """Extend the caller's write leases on ``keys`` (a long copy is still in flight)."""
+
+    client: ClientId
+    keys: Keys
 
 
 class Lookup(msgspec.Struct, tag="lookup", frozen=True):
@@ -84,6 +92,7 @@ class Reregister(msgspec.Struct, tag="reregister", frozen=True):
     gvas: U64s
     sizes: Sizes
     gens: U64s
+    sums: U64s | None = None
 
 
 class ListKeys(msgspec.Struct, tag="list_keys", frozen=True):
@@ -93,7 +102,18 @@ class ListKeys(msgspec.Struct, tag="list_keys", frozen=True):
 
 
 Request = (
-    Hello | Info | Alloc | Commit | Lookup | Release | Exists | Remove | RemoveAll | Reregister | ListKeys
+    Hello
+    | Info
+    | Alloc
+    | Commit
+    | Renew
+    | Lookup
+    | Release
+    | Exists
+    | Remove
+    | RemoveAll
+    | Reregister
+    | ListKeys
 )
 
 
@@ -105,6 +125,7 @@ class Reply(msgspec.Struct, frozen=True, omit_defaults=True):
     sizes: list[int] = []
     gens: list[int] = []
     lease_ids: list[int] = []
+    sums: list[int] = []  # lookup: the writer's checksum per key (0: none recorded)
     flags: list[bool] = []
     data: dict[str, Any] = {}
 

@@ -8,15 +8,24 @@ table themselves.
 
 Remote path (no table): ``lookup`` RPC with a read lease, copy, ``release`` RPC; a lease
 that ran out and lost its object turns the read into ``LeaseExpired``, never wrong bytes.
+
+Both paths then check the bytes against the writer's checksum (the slot's ``csum``, or
+the lookup reply's) when ``verify`` is on: over the caller's memory when it is host
+memory, else over the mapped window (device memory read from another node is counted as
+``unverified``). A mismatch is ``CorruptObject`` / ``Status.CORRUPT``: a miss, counted,
+logged once, and the object removed so the next put rewrites it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvfabric.errors import KeyNotFound, LeaseExpired, TransferFailed
+from kvfabric.errors import CorruptObject, KeyNotFound, LeaseExpired, TransferFailed
+from kvfabric.platform import checksum
+from kvfabric.platform.checksum import Verify
 from kvfabric.pool import protocol as p
 from kvfabric.pool.dataplane import require
 from kvfabric.pool.status import Status
@@ -27,6 +36,7 @@ if TYPE_CHECKING:
 
 RETRIES = 4
 _READABLE = int(SlotState.READABLE)
+log = logging.getLogger("kvfabric.pool")
 
 
 class Reader:
@@ -34,6 +44,44 @@ class Reader:
 
     def __init__(self, client: PoolClient) -> None:
         self.c = client
+        self.corrupt = 0  # reads whose bytes did not match the writer's checksum
+        self.unverified = 0  # reads that could not be checked (no checksum, or device memory afar)
+
+    # ------------------------------------------------------------------ integrity
+    def _intact(
+        self, key: bytes, csum: int, ranges: list[tuple[int, int]], gva: int, size: int, host_user: bool
+    ) -> bool:
+        """Whether what was just copied matches the writer's checksum (see module docstring)."""
+        c = self.c
+        if c.verify is Verify.OFF:
+            return True
+        if not csum:
+            self.unverified += 1
+            return True
+        if host_user:
+            got = checksum.digest_ranges(ranges)
+        else:
+            loc = c.dp.local(gva, size)
+            if loc is None or not loc[1]:
+                self.unverified += 1
+                return True
+            got = checksum.digest_range(loc[0], size)
+        if got == csum:
+            return True
+        self.corrupt += 1
+        (log.warning if self.corrupt == 1 else log.debug)(
+            "pool key %r: the bytes read do not match its writer's checksum (%#x != %#x); served as a "
+            "miss and removed%s",
+            key.decode(errors="replace"),
+            got,
+            csum,
+            "" if self.corrupt == 1 else f" ({self.corrupt} so far)",
+        )
+        try:
+            c._call(p.Remove([key]))
+        except Exception as e:  # noqa: BLE001 - best effort: the read is a miss either way
+            log.debug("removing corrupt pool key %r: %s", key, e)
+        return False
 
     # ------------------------------------------------------------------ exists
     def exists_local(self, keys: list[bytes]) -> np.ndarray:
@@ -60,13 +108,15 @@ class Reader:
                 key, np.array([ptr], np.uint64), np.array([nbytes], np.uint64), host_user, exact=False
             )
         for _ in range(RETRIES):
-            i, (seq, gva, size, _gen, state, expire) = table.lookup_raw(key)
+            i, (seq, gva, size, _gen, state, expire, csum) = table.lookup_raw(key)
             if i < 0 or state != _READABLE or (expire and ticks_passed(expire)):
                 raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
             _check_size(key, size, nbytes, exact=False)
             if not c.dp.read_one(ptr, gva, size, host_user):
                 continue  # its rank is gone or the copy failed: look again
             if table.seq_now(i) == seq:
+                if not self._intact(key, csum, [(ptr, size)], gva, size, host_user):
+                    raise _corrupt(key)
                 table.touch(i)
                 return size
         raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} kept changing while being read")
@@ -84,18 +134,24 @@ class Reader:
             if hit is None or hit.state != SlotState.READABLE or (hit.expire and ticks_passed(hit.expire)):
                 raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
             _check_size(key, hit.size, want, exact)
-            self._copy_out(hit.gva, hit.size, ptrs, sizes, host_user)
+            ranges = self._copy_out(hit.gva, hit.size, ptrs, sizes, host_user)
             if table.seq_now(hit.slot) == hit.seq:
+                if not self._intact(key, hit.csum, ranges, hit.gva, hit.size, host_user):
+                    raise _corrupt(key)
                 table.touch(hit.slot)
                 return hit.size
         raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} kept changing while being read")
 
-    def _copy_out(self, gva: int, size: int, ptrs: np.ndarray, sizes: np.ndarray, host_user: bool) -> None:
-        """Scatter the object at ``gva`` into the caller's pieces (``TransferFailed`` if not)."""
+    def _copy_out(
+        self, gva: int, size: int, ptrs: np.ndarray, sizes: np.ndarray, host_user: bool
+    ) -> list[tuple[int, int]]:
+        """Scatter the object at ``gva`` into the caller's pieces (``TransferFailed`` if
+        not); the ``(ptr, n)`` ranges written, in object order."""
         offs = np.cumsum(sizes) - sizes
         n = np.minimum(sizes, np.maximum(np.int64(size) - offs.astype(np.int64), 0).astype(np.uint64))
         keep = n > 0
         require(self.c.dp.read(ptrs[keep], np.uint64(gva) + offs[keep], n[keep]), "pool read")
+        return list(zip(ptrs[keep].tolist(), n[keep].tolist()))
 
     def get(self, key: bytes) -> bytes:
         out = self.get_or_none(key)
@@ -163,12 +219,22 @@ class Reader:
             changed = (table.seq_many(idx[hit]) != out[hit, 0]) | ~arrived.reshape(Sh.shape[0], -1).all(
                 axis=1
             )
-            status[np.flatnonzero(hit)[~changed]] = Status.OK
-            table.touch_many(idx[hit][~changed])
-            for k in np.flatnonzero(hit)[changed].tolist():  # rare: retry one by one
+            rows = np.flatnonzero(hit)
+            Ph = P[hit]
+            for r in np.flatnonzero(~changed).tolist():
+                k = int(rows[r])
+                ranges = list(zip(Ph[r].tolist(), Sh[r].tolist()))
+                if self._intact(keys[k], int(out[k, 6]), ranges, int(out[k, 1]), int(out[k, 2]), host_user):
+                    status[k] = Status.OK
+                else:
+                    status[k] = Status.CORRUPT
+            table.touch_many(idx[status == Status.OK])
+            for k in rows[changed].tolist():  # rare: retry one by one
                 try:
                     self.get_into_layers(keys[k], P[k], S[k])
                     status[k] = Status.OK
+                except CorruptObject:
+                    status[k] = Status.CORRUPT
                 except KeyNotFound:
                     status[k] = Status.NOT_FOUND
                 except TransferFailed:
@@ -183,7 +249,7 @@ class Reader:
             raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
         try:
             _check_size(key, r.sizes[0], int(sizes.sum()), exact)
-            self._copy_out(r.gvas[0], r.sizes[0], ptrs, sizes, host_user)
+            ranges = self._copy_out(r.gvas[0], r.sizes[0], ptrs, sizes, host_user)
         finally:
             rel = c._call(p.Release([r.lease_ids[0]])).status[0]
         if rel != Status.OK:
@@ -191,18 +257,29 @@ class Reader:
                 f"read lease of pool key {key.decode(errors='replace')!r} expired during the copy; "
                 "the bytes read are not trusted"
             )
+        csum = r.sums[0] if r.sums else 0
+        if not self._intact(key, csum, ranges, r.gvas[0], r.sizes[0], host_user):
+            raise _corrupt(key)
         return int(r.sizes[0])
 
     def _rpc_status(self, key: bytes, ptrs: np.ndarray, sizes: np.ndarray, host_user: bool) -> int:
         try:
             self._rpc_get(key, ptrs, sizes, host_user, exact=True)
             return Status.OK
+        except CorruptObject:
+            return Status.CORRUPT
         except KeyNotFound:
             return Status.NOT_FOUND
         except LeaseExpired:
             return Status.LEASE_EXPIRED
         except ValueError:
             return Status.INVALID
+
+
+def _corrupt(key: bytes) -> CorruptObject:
+    return CorruptObject(
+        f"pool key {key.decode(errors='replace')!r}: the bytes read do not match its writer's checksum"
+    )
 
 
 def _check_size(key: bytes, size: int, want: int, exact: bool) -> None:

@@ -77,7 +77,7 @@ class LocalTransport:
         self.dispatcher = dispatcher
 
     def call(self, req: Any) -> p.Reply:
-        return _checked(self.dispatcher.handle(req))
+        return _checked(self.dispatcher.handle(req, os.getpid()))  # lives as long as the service
 
     def close(self) -> None:
         pass

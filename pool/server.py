@@ -18,7 +18,8 @@ that its cores are shared with other busy work, where a spin only spends the dae
 of the CPU: see ``SpinGovernor``),
 and one ticker (lease and TTL expiry, metrics, dead-rank detection every 100 ms). Every
 request goes through the dispatcher's lock, so the service stays single-threaded.
-``stop()`` closes the listeners and connections and removes the socket file.
+``stop()`` closes the listeners and connections and removes the socket file (only the one
+``start()`` bound: the daemon's socket lock makes it the only server on that path).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import logging
 import os
 import resource
 import socket
+import struct
 import threading
 from multiprocessing.connection import Connection, Listener
 
@@ -96,11 +98,11 @@ class RpcServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._bound: os.stat_result | None = None
+        self._bound: os.stat_result | None = None  # the socket file as bound by start()
 
     def start(self) -> None:
         if os.path.exists(self.socket_path):
-            os.unlink(self.socket_path)  # stale: the daemon checked nothing answers there
+            os.unlink(self.socket_path)  # stale: the daemon holds this socket's lock
         old = os.umask(0o177)
         try:
             unix = Listener(self.socket_path, family="AF_UNIX", backlog=128)
@@ -140,6 +142,7 @@ class RpcServer:
             self._spawn(self._serve, conn, spin_s, name="kvfabric-pool-conn")
 
     def _serve(self, conn: Connection, spin_s: float) -> None:
+        pid = _peer_pid(conn)
         try:
             while not self._stop.is_set():
                 try:
@@ -155,7 +158,7 @@ class RpcServer:
                 with self._lock:
                     self._serving += 1
                 try:
-                    reply = self.dispatcher.handle(p.decode_request(data))
+                    reply = self.dispatcher.handle(p.decode_request(data), pid)
                 except Exception as e:  # noqa: BLE001 - a malformed request must not stop the service
                     log.warning("refused a malformed request: %s", e)
                     reply = p.Reply(self.dispatcher.epoch, error=f"malformed request: {e}")
@@ -203,6 +206,23 @@ class RpcServer:
                 os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+
+
+def _peer_pid(conn: Connection) -> int:
+    """The peer's process on a Unix socket (SO_PEERCRED); 0 over TCP or when unknown."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return 0
+    try:
+        if sock.family != socket.AF_UNIX:
+            return 0
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", creds)[0])
+    except OSError:
+        return 0
+    finally:
+        sock.close()
 
 
 def _wake(address: object) -> None:

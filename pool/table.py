@@ -38,7 +38,8 @@ from kvfabric.errors import OutOfSpace
 from kvfabric.platform import cbuild, shm
 
 MAGIC = 0x3130_4C42_5446_564B  # "KVFTBL01"
-LAYOUT = 1
+LAYOUT = 2  # 2: slots carry the writer's checksum (csum); key offsets are 32-bit
+OUT = 7  # fields a lookup reports per key: seq, gva, size, gen, state, expire, csum
 HDR_BYTES = 128
 HDR = np.dtype(
     [
@@ -60,12 +61,13 @@ SLOT = np.dtype(
         ("gva", "<u8"),
         ("size", "<u8"),
         ("gen", "<u8"),
-        ("key_off", "<u8"),
-        ("key_len", "<u4"),
+        ("csum", "<u8"),
+        ("key_off", "<u4"),
         ("atime", "<u4"),
         ("expire", "<u4"),
+        ("key_len", "<u2"),
         ("state", "u1"),
-        ("pad", "u1", (3,)),
+        ("pad", "u1"),
     ]
 )
 assert HDR.itemsize == HDR_BYTES and SLOT.itemsize == 64
@@ -86,7 +88,8 @@ void kvf_tbl_seq_batch(uint64_t base, const int64_t *idx, uint64_t n, uint64_t *
 void kvf_tbl_touch_batch(uint64_t base, const int64_t *idx, uint64_t n, uint32_t now);
 int64_t kvf_tbl_insert(uint64_t base, uint64_t h, const uint8_t *key, uint32_t klen, uint64_t gva,
                        uint64_t size, uint64_t gen, uint32_t state, uint32_t now, uint32_t expire);
-void kvf_tbl_set_state(uint64_t base, int64_t i, uint32_t state, uint32_t now, uint32_t expire);
+void kvf_tbl_set_state(uint64_t base, int64_t i, uint32_t state, uint32_t now, uint32_t expire,
+                       uint64_t csum);
 """
 
 MISS, BUSY, RETIRED = -1, -2, -3
@@ -139,6 +142,7 @@ class Hit:
     gen: int
     state: SlotState
     expire: int
+    csum: int = 0  # the writer's checksum (``platform.checksum``); 0: none recorded
 
 
 def table_bytes(nslots: int, arena: int) -> int:
@@ -171,11 +175,11 @@ class TableView:
         return int(self.hdr["count"][0])
 
     def lookup_raw(self, key: bytes) -> tuple[int, list[int]]:
-        """Hot path: ``(slot, [seq, gva, size, gen, state, expire])``; slot -1 on a miss."""
+        """Hot path: ``(slot, [seq, gva, size, gen, state, expire, csum])``; slot -1 on a miss."""
         tls = self._tls
         out = getattr(tls, "out", None)
         if out is None:
-            out = tls.out = np.zeros(6, np.uint64)
+            out = tls.out = np.zeros(OUT, np.uint64)
             tls.ptr = self._ffi.cast("uint64_t *", out.ctypes.data)
         lib = self._lib
         i = lib.kvf_tbl_lookup(self.base, lib.kvf_key_hash(key, len(key)), key, len(key), tls.ptr)
@@ -191,14 +195,14 @@ class TableView:
         i, f = self.lookup_raw(key)
         if i == MISS:
             return None
-        return Hit(i, f[0], f[1], f[2], f[3], SlotState(f[4]), f[5])
+        return Hit(i, f[0], f[1], f[2], f[3], SlotState(f[4]), f[5], f[6])
 
     def lookup_many(self, keys: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """Vectorised lookup: ``(idx (n,) int64, fields (n, 6) uint64)``; idx -1 = miss."""
+        """Vectorised lookup: ``(idx (n,) int64, fields (n, OUT) uint64)``; idx -1 = miss."""
         packed, offs, lens = pack_keys(keys)
         n = len(keys)
         idx = np.empty(n, np.int64)
-        out = np.empty((n, 6), np.uint64)
+        out = np.empty((n, OUT), np.uint64)
         ffi = self._ffi
         self._lib.kvf_tbl_lookup_batch(
             self.base,
@@ -275,7 +279,7 @@ def create(
     if max_objects < 1:
         raise ValueError(f"max_objects must be >= 1, got {max_objects}")
     nslots = max(16, int(np.ceil(max_objects / load_factor)))
-    arena = max(4096, max_objects * avg_key_bytes)
+    arena = min(max(4096, max_objects * avg_key_bytes), 0xFFFF_FFFF)  # key offsets are 32-bit
     try:
         if name is None:
             seg = shm.create(table_bytes(nslots, arena))

@@ -14,7 +14,7 @@ import numpy as np
 from kvfabric.errors import OutOfSpace
 from kvfabric.pool.table import HDR_BYTES, SLOT, Hit, SlotState, TableView, now_ticks
 
-_FIELDS = ("hash", "gva", "size", "gen", "key_off", "key_len", "atime", "expire", "state")
+_FIELDS = ("hash", "gva", "size", "gen", "csum", "key_off", "key_len", "atime", "expire", "state")
 MAX_LOAD = 0.9
 
 
@@ -97,9 +97,10 @@ class TableWriter:
         self._lib.kvf_seq_end(addr)
 
     # ------------------------------------------------------------------ updates
-    def set_state(self, slot: int, state: SlotState, expire: int = 0) -> None:
-        """Publish a new state (and expiry), marking the slot as just used."""
-        self._lib.kvf_tbl_set_state(self._hdr_addr, slot, int(state), now_ticks(), expire)
+    def set_state(self, slot: int, state: SlotState, expire: int = 0, csum: int = 0) -> None:
+        """Publish a new state (with expiry and the writer's checksum), marking the slot as
+        just used."""
+        self._lib.kvf_tbl_set_state(self._hdr_addr, slot, int(state), now_ticks(), expire, csum)
 
     def update(self, slot: int, **fields: int) -> None:
         unknown = set(fields) - set(_FIELDS)
@@ -139,6 +140,7 @@ class TableWriter:
             gva=0,
             size=0,
             gen=0,
+            csum=0,
             key_off=0,
             key_len=0,
             atime=0,

@@ -18,6 +18,7 @@ from kvfabric.pool.table import SlotState, ticks_passed
 
 if TYPE_CHECKING:
     from kvfabric.pool.config import PoolConfig
+    from kvfabric.pool.fence import WriteFence
     from kvfabric.pool.table_writer import TableWriter
 
 
@@ -44,6 +45,7 @@ class WriteLease:
     size: int
     gen: int
     expires: float
+    pid: int = 0  # the writer's process when it is on this node (0: unknown, e.g. over TCP)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Counters:
     evicted_objects: int = 0
     evicted_bytes: int = 0
     expired_leases: int = 0
+    fences: int = 0  # extents fenced because their write lease expired before the commit
 
     def count(self, op: str, n: int = 1, failed: int = 0) -> None:
         self.ops[op] = self.ops.get(op, 0) + n
@@ -78,6 +81,7 @@ class Upkeep:
     read_leases: dict[int, ReadLease]
     _leased: dict[int, int]
     counters: Counters
+    fence: WriteFence
 
     # ------------------------------------------------------------------ eviction
     def _evict(self, w: Window, need: int) -> bool:
@@ -115,8 +119,9 @@ class Upkeep:
             lease = self.write_leases.pop(key)
             hit = self.table.find(key)
             if hit is not None and hit.gen == lease.gen and hit.state == SlotState.ALLOCATED:
-                self._free_object(hit.slot, key, hit.gva, hit.size)
+                self.fence.close(hit.slot, key, lease, now)
             self.counters.expired_leases += 1
+        self.fence.sweep(now)
         for lid in [i for i, lease in self.read_leases.items() if lease.expires < now]:
             self._end_read_lease(lid)
             self.counters.expired_leases += 1

@@ -6,16 +6,29 @@ its GVA (mapped on the node, remote across nodes), and one ``commit`` RPC that p
 the objects whose pieces all arrived and abandons the others (their space is freed at
 once). Layer-wise writing splits the same steps: ``batch_alloc``, ``write`` pieces as
 layers finish, ``batch_commit``.
+
+Write fence, writer's half (the service's half is ``fence.py``): every allocation records
+when its request left; no copy starts past ``lease - margin`` of that (the put is
+abandoned instead, LEASE_EXPIRED), and a long batch is copied in chunks of at most
+``CHUNK_BYTES`` with the leases renewed between chunks once half of them has passed.
+
+Checksums: each committed object carries the writer's xxh3-64 (``platform.checksum``) of
+its bytes, taken over the window after the copy where the window is mapped here (so the
+copy itself is covered), else over the caller's host memory, else none (device memory
+on another node): readers check it before a read counts.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvfabric.errors import LeaseExpired
+from kvfabric.platform import checksum
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
 from kvfabric.pool.dataplane import require
@@ -32,14 +45,28 @@ def u64(values: Any, name: str = "values", positive: bool = False) -> np.ndarray
     return as_u64(values, name, positive)
 
 
+CHUNK_BYTES = 256 << 20  # a long batch is copied in chunks of this much, leases checked between
+RENEW_AT = 0.5  # renew the leases once this share of them has passed
+
+
+def _ranges(ptrs: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
+    return list(zip(ptrs.tolist(), sizes.tolist()))
+
+
+def lease_margin(lease_s: float) -> float:
+    """How long before its lease runs out a writer stops starting copies."""
+    return min(max(0.1 * lease_s, 0.05), 2.0)
+
+
 class Writer:
     """The write side of one :class:`PoolClient` (see module docstring)."""
 
     def __init__(self, client: PoolClient) -> None:
         self.c = client
         self._lock = threading.Lock()
-        self.pending: dict[bytes, tuple[int, int, int]] = {}  # allocated, not committed
-        self.owned: dict[bytes, tuple[int, int, int]] = {}  # committed, in our own window
+        self.pending: dict[bytes, tuple[int, int, int, float]] = {}  # gva, size, gen, alloc sent at
+        self.owned: dict[bytes, tuple[int, int, int, int]] = {}  # in our own window: gva, size, gen, sum
+        self.abandoned = 0  # puts given up because their lease was about to run out
 
     def batch_alloc(
         self,
@@ -55,34 +82,106 @@ class Writer:
         check_count(kb, "keys")
         c = self.c
         c._require_data()
+        sent = time.monotonic()  # the lease started no earlier than this
         r = c._call(
             p.Alloc(c.client_id, kb, sz, c.rank, preferred_rank, None if medium is None else medium.value)
         )
         with self._lock:
             for k, s, g, gen, n in zip(kb, r.status, r.gvas, r.gens, sz):
                 if s == Status.OK:
-                    self.pending[k] = (g, n, gen)
+                    self.pending[k] = (g, n, gen, sent)
         return np.array(r.status, np.int8), np.array(r.gvas, np.uint64)
+
+    # ------------------------------------------------------------------ fence, writer's half
+    def _leases_ok(self, kb: list[bytes]) -> np.ndarray:
+        """Whether each allocated key may still be copied into: renews the leases past
+        ``RENEW_AT``; False once a lease is within its margin of running out (or unknown)."""
+        c = self.c
+        lease_s = c.write_lease_s
+        now = time.monotonic()
+        with self._lock:
+            sent = np.array([self.pending[k][3] if k in self.pending else -np.inf for k in kb])
+        ok = now < sent + lease_s - lease_margin(lease_s)
+        stale = ok & (now >= sent + RENEW_AT * lease_s)
+        if stale.any():
+            renew = [k for k, f in zip(kb, stale) if f]
+            t = time.monotonic()
+            st = c._call(p.Renew(c.client_id, renew)).status
+            with self._lock:
+                for k, s in zip(renew, st):
+                    if s == Status.OK and k in self.pending:
+                        g, n, gen, _ = self.pending[k]
+                        self.pending[k] = (g, n, gen, t)
+            ok[np.flatnonzero(stale)[np.asarray(st) != Status.OK]] = False
+        return ok
+
+    def _sent_of(self, gvas: np.ndarray) -> np.ndarray:
+        """For layer-wise writes: the alloc time of the pending object holding each address
+        (leases past ``RENEW_AT`` renewed first); -inf where no pending object holds it."""
+        with self._lock:
+            keys = sorted(self.pending, key=lambda k: self.pending[k][0])
+            lo = np.array([self.pending[k][0] for k in keys], np.uint64)
+            hi = lo + np.array([self.pending[k][1] for k in keys], np.uint64)
+        if not keys:
+            return np.full(gvas.size, -np.inf)
+        i = np.maximum(np.searchsorted(lo, gvas, side="right") - 1, 0)
+        inside = (gvas >= lo[i]) & (gvas < hi[i])
+        held = [keys[j] for j in np.unique(i[inside]).tolist()]
+        ok = self._leases_ok(held)
+        with self._lock:
+            sent = {k: self.pending[k][3] for k, f in zip(held, ok) if f and k in self.pending}
+        t = np.array([sent.get(k, -np.inf) for k in keys])
+        return np.where(inside, t[i], -np.inf)
+
+    def _seal(self, gva: int, size: int, ranges: list[tuple[int, int]] | None) -> int:
+        """The object's checksum: over the window where it is mapped here, else over the
+        caller's host pieces (``ranges``), else 0 (none)."""
+        loc = self.c.dp.local(gva, size)
+        if loc is not None and loc[1]:
+            return checksum.digest_range(loc[0], size)
+        return checksum.digest_ranges(ranges) if ranges is not None else checksum.NONE
 
     def write(self, gvas: Any, ptrs: Any, sizes: Any) -> None:
         g, src, n = u64(gvas, "gvas"), u64(ptrs, "ptrs"), u64(sizes, "sizes", positive=True)
         if not (g.size == src.size == n.size):
             raise ValueError(f"write: {g.size} gvas, {src.size} ptrs, {n.size} sizes")
         self.c.dp.check_user(src, n)
+        lease_s = self.c.write_lease_s
+        late = time.monotonic() >= self._sent_of(g) + lease_s - lease_margin(lease_s)
+        if late.any():
+            self.abandoned += 1
+            raise LeaseExpired(
+                f"pool write: {int(late.sum())} of {g.size} piece(s) target space whose write lease "
+                "has run out (or was never allocated); commit the keys with ok=False"
+            )
         require(self.c.dp.write(g, src, n), "pool write")
 
     def batch_commit(
-        self, keys: Sequence[str], ok: Sequence[bool] | None = None, ttl_s: float | None = None
+        self,
+        keys: Sequence[str],
+        ok: Sequence[bool] | None = None,
+        ttl_s: float | None = None,
+        sums: Sequence[int] | None = None,
     ) -> np.ndarray:
+        """Publish (or abandon) allocated keys. ``sums``: their checksums when the caller
+        took them; else each published object is sealed here over its mapped window."""
         kb = encode_keys(keys)
         flags = [True] * len(kb) if ok is None else [bool(x) for x in ok]
         c = self.c
-        st = c._call(p.Commit(c.client_id, kb, flags, ttl_s)).status
+        if sums is None:
+            with self._lock:
+                entries = [self.pending.get(k) for k in kb]
+            sums = [
+                self._seal(e[0], e[1], None) if f and e is not None else checksum.NONE
+                for e, f in zip(entries, flags)
+            ]
+        sums = [int(x) for x in sums]
+        st = c._call(p.Commit(c.client_id, kb, flags, ttl_s, sums)).status
         with self._lock:
-            for k, s, f in zip(kb, st, flags):
+            for k, s, f, h in zip(kb, st, flags, sums):
                 entry = self.pending.pop(k, None)
                 if entry is not None and s == Status.OK and f and c.in_own_window(entry[0]):
-                    self.owned[k] = entry
+                    self.owned[k] = (entry[0], entry[1], entry[2], h)
         return np.array(st, np.int8)
 
     def batch_put_from_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
@@ -96,24 +195,58 @@ class Writer:
             raise ValueError(f"ptrs {P.shape} / sizes {S.shape} do not match {len(kb)} keys")
         if S.size and int(S.max()) > U64_MAX // S.shape[1]:
             raise ValueError(f"sizes: the {S.shape[1]} pieces of an object add up past 2**64 - 1 B")
-        self.c.dp.check_user(P.reshape(-1), S.reshape(-1))
+        host_user = self.c.dp.check_user(P.reshape(-1), S.reshape(-1))
         st, gvas = self.batch_alloc(keys, S.sum(axis=1).tolist())
         ok = st == Status.OK
         if not ok.any():
             return st
         rows = np.flatnonzero(ok)
-        Sok = np.ascontiguousarray(S[rows])
+        Pok, Sok = np.ascontiguousarray(P[rows]), np.ascontiguousarray(S[rows])
         offs = np.cumsum(Sok, axis=1) - Sok
-        g = (gvas[rows][:, None] + offs).reshape(-1)
+        G = gvas[rows][:, None] + offs
+        kb = [kb[i] for i in rows.tolist()]
         try:
-            arrived = self.c.dp.write(g, np.ascontiguousarray(P[rows]).reshape(-1), Sok.reshape(-1))
+            whole, late = self._copy_rows(kb, G, Pok, Sok)
         except Exception:
-            self.batch_commit([keys[i] for i in rows], [False] * rows.size)
+            self.batch_commit(kb, [False] * rows.size, sums=[0] * rows.size)
             raise
-        whole = arrived.reshape(rows.size, -1).all(axis=1)
-        cst = self.batch_commit([keys[i] for i in rows], whole.tolist())
-        st[rows] = np.where(whole, cst, Status.TRANSFER_FAILED)
+        sums = [
+            self._seal(int(G[r, 0]), int(Sok[r].sum()), _ranges(Pok[r], Sok[r]) if host_user else None)
+            if whole[r]
+            else checksum.NONE
+            for r in range(rows.size)
+        ]
+        cst = self.batch_commit(kb, whole.tolist(), sums=sums)
+        st[rows] = np.where(whole, cst, np.where(late, Status.LEASE_EXPIRED, Status.TRANSFER_FAILED))
         return st
+
+    def _copy_rows(
+        self, kb: list[bytes], G: np.ndarray, P: np.ndarray, S: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Copy each object's pieces (row r: ``S[r]`` bytes from ``P[r]`` to ``G[r]``) in
+        chunks of about ``CHUNK_BYTES``, checking (and renewing) the leases before each
+        chunk. ``(arrived whole, given up for its lease)`` per row."""
+        n = len(kb)
+        whole = np.zeros(n, bool)
+        late = np.zeros(n, bool)
+        totals = S.sum(axis=1)
+        start = 0
+        while start < n:
+            stop = start + 1
+            acc = int(totals[start])
+            while stop < n and acc + int(totals[stop]) <= CHUNK_BYTES:
+                acc += int(totals[stop])
+                stop += 1
+            go = self._leases_ok(kb[start:stop])
+            late[start:stop] = ~go
+            if not go.all():
+                self.abandoned += int((~go).sum())
+            sel = np.arange(start, stop)[go]
+            if sel.size:
+                arrived = self.c.dp.write(G[sel].reshape(-1), P[sel].reshape(-1), S[sel].reshape(-1))
+                whole[sel] = arrived.reshape(sel.size, -1).all(axis=1)
+            start = stop
+        return whole, late
 
     def put_one(self, key: str, ptr: int, nbytes: int) -> Status:
         """The hot path of a single one-piece put: the same alloc / copy / commit steps
@@ -125,12 +258,19 @@ class Writer:
         st, gvas = self.batch_alloc([key], [nbytes])
         if st[0] != Status.OK:
             return Status(int(st[0]))
+        gva = int(gvas[0])
+        kb = encode_keys([key])
         try:
-            arrived = c.dp.write_one(int(gvas[0]), ptr, nbytes, host_user)
+            if not self._leases_ok(kb)[0]:
+                self.abandoned += 1
+                self.batch_commit(kb, [False], sums=[0])
+                return Status.LEASE_EXPIRED
+            arrived = c.dp.write_one(gva, ptr, nbytes, host_user)
         except Exception:
-            self.batch_commit([key], [False])
+            self.batch_commit(kb, [False], sums=[0])
             raise
-        cst = int(self.batch_commit([key], [arrived])[0])
+        h = self._seal(gva, nbytes, [(ptr, nbytes)] if host_user else None) if arrived else 0
+        cst = int(self.batch_commit(kb, [arrived], sums=[h])[0])
         return Status(cst) if arrived else Status.TRANSFER_FAILED
 
     def batch_put(self, keys: Sequence[str], values: Sequence[bytes]) -> np.ndarray:
@@ -149,7 +289,7 @@ class Writer:
         finally:
             self.c.platform.free(buf)
 
-    def owned_items(self) -> list[tuple[bytes, tuple[int, int, int]]]:
+    def owned_items(self) -> list[tuple[bytes, tuple[int, int, int, int]]]:
         with self._lock:
             return list(self.owned.items())
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from kvfabric.platform.types import Medium
@@ -72,19 +76,90 @@ def test_failed_write_frees_the_space(env):
     assert w.alloc.used == 0 and state(svc, b"k") is None
 
 
-def test_write_lease_expiry_reclaims_space(env):
+def fenced(svc) -> list[SlotState]:
+    s = svc.table.slots
+    return [SlotState(int(x)) for x in s["state"][(s["hash"] != 0) & (s["state"] == SlotState.REMOVING)]]
+
+
+def test_write_lease_expiry_fences_the_space_until_grace(env):
+    """A writer that cannot be watched (no pid): its space stays fenced for fence_grace_s."""
     svc, clock = env
+    w = svc.windows[(0, Medium.DRAM)]
     svc.alloc("dead-client", [b"k"], [10 * KiB])
     clock.t += 6
     svc.tick()
-    assert state(svc, b"k") is None and svc.windows[(0, Medium.DRAM)].alloc.used == 0
+    assert state(svc, b"k") is None  # the key is free for a new put...
+    assert w.alloc.used == 10 * KiB and fenced(svc) == [SlotState.REMOVING]  # ...its space is not
+    put(svc, b"k", 90 * KiB, client="other")  # the rest of the window is usable
+    clock.t += svc.config.fence_grace_s + 1
+    svc.tick()
+    assert fenced(svc) == [] and w.alloc.used == 90 * KiB
+
+
+def test_late_commit_releases_the_fence_and_is_refused(env):
+    svc, clock = env
+    w = svc.windows[(0, Medium.DRAM)]
+    gva = svc.alloc("slow", [b"k"], [10 * KiB], pid=os.getpid())[1][0]
+    clock.t += 6
+    svc.tick()
+    clock.t += 10 * svc.config.fence_grace_s
+    svc.tick()  # a live writer on this node: no grace, it may still be copying
+    assert w.alloc.used == 10 * KiB
+    second = svc.alloc("fast", [b"k2"], [100 * KiB - 10 * KiB])
+    assert second[0] == [Status.OK] and not (second[1][0] <= gva < second[1][0] + 90 * KiB)
+    assert svc.commit("slow", [b"k"], [True], sums=[7]) == [Status.LEASE_EXPIRED]  # never published
+    assert fenced(svc) == [] and state(svc, b"k") is None
+    assert w.alloc.used == 90 * KiB  # the writer said it is done: space back
+
+
+def test_fence_of_a_dead_writer_is_released(env):
+    svc, clock = env
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    svc.alloc("gone", [b"k"], [10 * KiB], pid=proc.pid)
+    clock.t += 6
+    svc.tick()
+    assert svc.windows[(0, Medium.DRAM)].alloc.used == 0 and fenced(svc) == []
+
+
+def test_renew_keeps_a_long_write_alive(env):
+    svc, clock = env
+    svc.alloc("c", [b"k"], [KiB])
+    for _ in range(4):
+        clock.t += 4
+        assert svc.renew("c", [b"k"]) == [Status.OK]
+        svc.tick()
+    assert svc.renew("other", [b"k"]) == [Status.LEASE_EXPIRED]
+    assert svc.commit("c", [b"k"], [True], sums=[42]) == [Status.OK]
+    assert svc.table.find(b"k").csum == 42
+    assert svc.lookup([b"k"], lease=False)[5] == [42]
+
+
+def test_remote_lookup_does_not_disturb_on_node_readers(env):
+    svc, _ = env
+    put(svc, b"k", KiB)
+    seq = svc.table.find(b"k").seq
+    svc.lookup([b"k"], lease=False)
+    svc.lookup([b"k"], lease=True)
+    assert svc.table.find(b"k").seq == seq  # recency is marked outside the slot's counter
+
+
+def test_full_directory_evicts_the_least_recently_used(env):
+    svc, _ = env
+    cap = svc.table.capacity
+    for i in range(cap):
+        put(svc, f"k{i}".encode(), 16)
+    svc.table.view.touch(svc.table.find(b"k7").slot, 1)  # the least recently used
+    st, _, _ = svc.alloc("c", [b"new"], [16])
+    assert st == [Status.OK]
+    assert svc.counters.evicted_objects == 1 and state(svc, b"k7") is None
     assert svc.commit("dead-client", [b"k"], [True]) == [Status.LEASE_EXPIRED]
 
 
 def test_read_leases_block_eviction_and_defer_frees(env):
     svc, _clock = env
     gva = put(svc, b"leased", 30 * KiB)
-    st, gvas, sizes, _gens, lids = svc.lookup([b"leased"])
+    st, gvas, sizes, _gens, lids, _sums = svc.lookup([b"leased"])
     assert st == [Status.OK] and gvas == [gva] and sizes == [30 * KiB] and lids[0] > 0
     for i in range(10):  # fill: LRU eviction must skip the leased object
         put(svc, f"filler{i}".encode(), 20 * KiB)

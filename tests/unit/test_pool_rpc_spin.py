@@ -78,7 +78,7 @@ class _Echo:
         self.calls = 0
         self._lock = threading.Lock()
 
-    def handle(self, req: object) -> p.Reply:
+    def handle(self, req: object, pid: int = 0) -> p.Reply:
         with self._lock:
             self.calls += 1
             return p.Reply(self.epoch, data={"n": self.calls})
