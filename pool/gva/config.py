@@ -6,6 +6,10 @@ allow-list); with no matching rule, ``transports`` applies. Among the allowed on
 first that can serve the pair from this process is used (``mapped`` needs both ends
 addressable here; ``remote`` needs one end here and the other rank to publish a route).
 A local buffer counts as this process's own rank for rule matching.
+
+Every field is checked against its annotation first (``kvfabric.settings``), so a wrong
+type names the field and what was expected; :meth:`GvaConfig.from_mapping` also refuses
+unknown keys with the sorted list of the known ones.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvfabric.envs import MC_TCP_BIND_ADDRESS
+from kvfabric.settings import coerce_fields, from_mapping
 
 KNOWN_TRANSPORTS = ("mapped", "remote")
 
@@ -30,6 +35,7 @@ class PairRule:
     transports: tuple[str, ...]
 
     def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"PairRule.{key}")
         for name in ("src", "dst"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -90,6 +96,7 @@ class GvaConfig:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"GvaConfig.{key}")
         if not isinstance(self.namespace, str) or not self.namespace.strip("/"):
             raise ValueError(f"GvaConfig.namespace must be a non-empty str, got {self.namespace!r}")
         object.__setattr__(self, "namespace", self.namespace.rstrip("/"))
@@ -114,6 +121,11 @@ class GvaConfig:
             if getattr(self, name) <= 0 if name != "unmap_grace" else getattr(self, name) < 0:
                 raise ValueError(f"GvaConfig.{name} must be positive, got {getattr(self, name)}")
         object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> GvaConfig:
+        """A config from a mapping (a parsed YAML or JSON document); unknown keys refused."""
+        return from_mapping(cls, data, "GvaConfig")
 
     def allowed(self, src: int, dst: int) -> tuple[str, ...]:
         """The transports allowed, in order, from rank ``src`` to rank ``dst``."""

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfabric.envs import KVFABRIC_CACHE_DIR, parse_size
+from kvfabric.settings import coerce_fields
 
 log = logging.getLogger("kvfabric.connector")
 
@@ -71,6 +72,7 @@ class ConnectorConfig:
     config_file: str | None = None
 
     def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"kvfabric config {key!r}")  # types, from the annotations
         if not isinstance(self.store, str) or not self.store.strip():
             raise ValueError("kvfabric config 'store' must be a pipeline like 'cache|posix'")
         names = [s.strip() for s in self.store.split("|")]

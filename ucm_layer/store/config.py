@@ -103,6 +103,8 @@ def as_float(lo: float, hi: float | None = None) -> Callable[[Any], float]:
         if isinstance(v, bool):
             raise TypeError(f"expected a number, got {v!r}")
         x = float(v)
+        if x != x or x in (float("inf"), float("-inf")):
+            raise ValueError(f"expected a finite number, got {v!r}")
         if x < lo or (hi is not None and x > hi):
             raise ValueError(f"must be in [{lo}, {'inf' if hi is None else hi}], got {x}")
         return x
