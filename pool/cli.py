@@ -44,7 +44,10 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - PoolConfig
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Signals are handled from here on, before anything is allocated (``daemon.py``):
-    a start interrupted by one cleans up and exits with 128 + the signal's number."""
+    a start interrupted by one cleans up and exits with 128 + the signal's number. A
+    start refused or failed for any other expected reason exits with 2 and that reason
+    (already running, out of shared memory, ...)."""
+    from kvfabric.errors import KVFabricError
     from kvfabric.pool.daemon import PoolDaemon, Signals, StartInterrupted
     from kvfabric.pool.node import StartStage
 
@@ -57,6 +60,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StartInterrupted as e:
         log.warning("kvfabric pool: %s; nothing was left behind", e)
         return 128 + e.signum
+    except KVFabricError as e:
+        print(f"kvfabric pool serve: error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"event": "ready", **daemon.endpoints()}), flush=True)
     daemon.serve_forever()
     return 0

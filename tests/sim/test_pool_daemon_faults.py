@@ -1,0 +1,220 @@
+"""The pool daemon under faults: a restart where a window-less client rejoins first,
+racing daemons on one socket, SIGTERM at every start-up stage, a start whose directory
+table does not fit. Each plants the fault and checks bytes, exit statuses and the
+shared-memory directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvf_testing import segments
+from pool_testing import Daemon, _die_with_parent, content
+
+from kvfabric.errors import OutOfSpace, ServiceUnavailable
+from kvfabric.platform import shm
+from kvfabric.pool import connect
+from kvfabric.pool import node as pool_node
+from kvfabric.pool.config import PoolConfig
+from kvfabric.pool.node import PoolNode, StartStage
+from kvfabric.pool.status import Status
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _spawn(d: Daemon, *flags: str) -> subprocess.Popen:
+    """``kvfabric pool serve`` with ``d``'s config, not waited for (see ``Daemon.start``)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvfabric.cli", "pool", "serve", "--config", str(d.cfg), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+        preexec_fn=_die_with_parent,
+    )
+    d.proc = proc
+    Daemon.started.append(d)
+    return proc
+
+
+def _event(proc: subprocess.Popen) -> dict:
+    """The next JSON line the daemon prints ({} if it exited first)."""
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            return {}
+        if line.startswith("{"):
+            return json.loads(line)
+
+
+def _leftovers(shm_dir: Path, sock_dir: Path) -> list[str]:
+    """Everything a stopped daemon could have left: segments, lock files, sockets."""
+    left = sorted(os.listdir(shm_dir))
+    return left + sorted(n for n in os.listdir(sock_dir) if not n.endswith((".yaml", ".ranks")))
+
+
+def test_a_windowless_client_rejoining_first_does_not_take_the_owners_rank(tmp_path, isolated_shm):
+    d = Daemon(tmp_path).start()
+    owner = connect(d.socket, window_bytes=2 * MiB)
+    other = connect(d.socket)  # no window: any rank does for it
+    keys = [f"own{i}" for i in range(30)]
+    assert (owner.batch_put(keys, [content(k, 100 * KiB) for k in keys]) == Status.OK).all()
+    in_own = [k for k in keys if owner.in_own_window(int(owner.table.lookup(k.encode()).gva))]
+    assert in_own  # the fault needs objects that live in the owner's window
+    rank = owner.rank
+    d.kill()  # no cleanup: clients notice at their next call
+    for c in (owner, other):
+        with pytest.raises(ServiceUnavailable):
+            c.info()
+    d2 = Daemon(tmp_path).start()
+    try:
+        other.refresh()  # the window-less client rejoins first...
+        assert other.rank != rank  # ...and is not given the rank reserved for the owner
+        owner.refresh()
+        assert owner.rank == rank
+        for k in keys:  # the owner's objects are readable, by both clients
+            assert owner.get(k) == content(k, 100 * KiB)
+        for k in in_own:
+            assert other.get(k) == content(k, 100 * KiB)
+        late = [f"late{i}" for i in range(30)]
+        assert (owner.batch_put(late, [content(k, 50 * KiB) for k in late]) == Status.OK).all()
+        assert all(other.get(k) == content(k, 50 * KiB) for k in late)
+        assert other.put("other", b"x" * 1000) is Status.OK and owner.get("other") == b"x" * 1000
+        owner.close()
+        other.close()
+    finally:
+        assert d2.stop() == 0
+    assert segments(isolated_shm) == []
+
+
+def test_ten_racing_daemons_on_one_socket_one_runs_the_others_name_its_pid(tmp_path, isolated_shm):
+    ds = [Daemon(tmp_path) for _ in range(10)]  # one config: same name, same socket
+    procs = [_spawn(d) for d in ds]
+    ready = [_event(p) for p in procs]
+    winners = [p for p, r in zip(procs, ready) if r.get("event") == "ready"]
+    assert len(winners) == 1, [p.stderr.read() for p in procs if p.poll() is not None]
+    (win,) = winners
+    assert ready[procs.index(win)]["pid"] == win.pid
+    for p in procs:
+        if p is not win:
+            assert p.wait(60) == 2
+            err = p.stderr.read()
+            assert f"a pool daemon (pid {win.pid}) already serves {ds[0].socket}" in err, err
+    # the losers removed nothing of the winner's and left nothing of their own
+    names = segments(isolated_shm)
+    assert len(names) == 2 and any(n.endswith("-window") for n in names), names
+    c = connect(ds[0].socket)
+    assert c.put("k", b"v" * 4096) is Status.OK and c.get("k") == b"v" * 4096
+    c.close()
+    win.send_signal(signal.SIGTERM)
+    assert win.wait(30) == 0
+    assert _leftovers(isolated_shm, tmp_path) == []
+
+
+def test_a_second_pool_of_the_same_name_on_another_socket_is_refused(tmp_path, isolated_shm):
+    a = Daemon(tmp_path).start()
+    try:
+        other_dir = tmp_path / "b"
+        other_dir.mkdir()
+        proc = _spawn(Daemon(other_dir))  # the same pool name "t", another socket
+        assert _event(proc) == {} and proc.wait(60) == 2
+        err = proc.stderr.read()
+        assert f"a pool daemon (pid {a.proc.pid}) already runs pool 't'" in err, err
+        assert len(segments(isolated_shm)) == 2  # the running pool's window and table, untouched
+        c = connect(a.socket)
+        assert c.put("k", b"v") is Status.OK and c.get("k") == b"v"
+        c.close()
+    finally:
+        assert a.stop() == 0
+    assert _leftovers(isolated_shm, tmp_path) == ["b"] and _leftovers(isolated_shm, other_dir) == []
+
+
+@pytest.mark.parametrize("stage", list(StartStage), ids=lambda s: s.value)
+def test_sigterm_at_each_start_up_stage_leaves_nothing(tmp_path, isolated_shm, stage):
+    d = Daemon(tmp_path, dram="8MiB", extra={"pretouch": "true"})
+    proc = _spawn(d, "--pause-at", stage.value)
+    assert _event(proc) == {"event": "paused", "stage": stage.value}, proc.stderr.read()
+    planted = segments(isolated_shm)
+    if stage is not StartStage.LOCKED:
+        assert any(n.endswith("-window") for n in planted)  # the start got as far as allocating
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM, proc.stderr.read()
+    assert _leftovers(isolated_shm, tmp_path) == []
+
+
+def test_sigterm_right_after_ready_stops_cleanly(tmp_path, isolated_shm):
+    d = Daemon(tmp_path, dram="8MiB")
+    proc = _spawn(d)
+    assert _event(proc)["event"] == "ready"
+    proc.send_signal(signal.SIGTERM)  # no pause: the very moment the ready line is out
+    assert proc.wait(30) == 0
+    assert _leftovers(isolated_shm, tmp_path) == []
+
+
+def test_an_interrupted_restart_keeps_what_it_found_for_the_next_one(tmp_path, isolated_shm):
+    d = Daemon(tmp_path, dram="8MiB").start()
+    c = connect(d.socket)
+    assert c.put("kept", content("kept", 300 * KiB)) is Status.OK
+    c.close()
+    d.kill()
+    crashed = segments(isolated_shm)
+    proc = _spawn(Daemon(tmp_path, dram="8MiB"), "--pause-at", StartStage.TABLE.value)
+    assert _event(proc)["stage"] == "table" and len(segments(isolated_shm)) == 3
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert segments(isolated_shm) == crashed  # its own new table removed, the crashed pool kept
+    d2 = Daemon(tmp_path, dram="8MiB").start()
+    try:
+        c = connect(d2.socket)
+        assert c.get("kept") == content("kept", 300 * KiB)  # rebuilt from what was kept
+        c.close()
+    finally:
+        assert d2.stop() == 0
+    assert _leftovers(isolated_shm, tmp_path) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 16 MiB tmpfs as the shared-memory directory (needs mount rights: root)."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_window_that_fits_with_a_table_that_does_not_leaks_nothing(tmp_path, small_tmpfs, monkeypatch):
+    monkeypatch.setenv("KVFABRIC_SHM_DIR", str(small_tmpfs))
+    sock_dir = tmp_path / "run"
+    sock_dir.mkdir()
+    d = Daemon(sock_dir, dram="8MiB", extra={"max_objects": 1 << 20, "pretouch": "false"})
+    proc = _spawn(d)
+    assert _event(proc) == {}
+    assert proc.wait(60) == 2
+    err = proc.stderr.read()
+    assert "directory table for 1048576 objects does not fit" in err, err
+    assert "B free" in err and "Traceback" not in err
+    assert _leftovers(small_tmpfs, sock_dir) == []
+
+
+def test_a_failed_table_allocation_in_process_removes_the_window(isolated_shm, tmp_path, monkeypatch):
+    """The same fault injected at the table allocation, where no tmpfs can be mounted."""
+
+    def no_room(*_a: object, **_k: object) -> None:
+        assert any(n.endswith("-window") for n in segments(isolated_shm))  # the window exists now
+        raise OutOfSpace("directory table for 1 objects does not fit: injected")
+
+    monkeypatch.setattr(pool_node.tbl, "create", no_room)
+    cfg = PoolConfig(name="inj", dram=4 * MiB, socket=str(tmp_path / "inj.sock"), pretouch=False)
+    with pytest.raises(OutOfSpace, match="injected"):
+        PoolNode(cfg, persistent=True)
+    assert segments(isolated_shm) == [] and shm.owned_names() == []
