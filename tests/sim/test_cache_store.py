@@ -122,3 +122,22 @@ def test_shared_cache_lives_in_shared_memory_and_goes_with_close(plat, isolated_
     assert (dump_blocks(c, plat, ids) == OK).all() and (load_checked(c, plat, ids) == OK).all()
     c.close()
     assert segments(isolated_shm) == before
+
+
+def test_a_slot_that_fails_verification_is_dropped_and_reused(plat):
+    from stores import plant_flip
+
+    c = cache(plat, 4)
+    ids = random_ids(4, 40)
+    assert (dump_blocks(c, plat, ids) == OK).all()
+    assert np.count_nonzero(c.table.digest) == 4  # every published slot carries its digest
+    plant_flip(c, ids[2])
+    st = load_checked(c, plat, ids)  # OK blocks are checked bit-exact
+    assert st.tolist() == [OK, OK, int(BlockStatus.CORRUPT), OK]
+    stats = c.stats()
+    assert stats["corrupt_blocks"] == 1 and stats["slots_ready"] == 3 and stats["slots_pinned"] == 0
+    assert c.lookup(ids).tolist() == [True, True, False, True]
+    assert len(c.table.free) == 1  # the dropped slot went back to the free list with its last pin
+    assert (dump_blocks(c, plat, ids[2:3]) == OK).all()  # rewritten into it
+    assert (load_checked(c, plat, ids) == OK).all()
+    c.close()

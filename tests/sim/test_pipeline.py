@@ -17,6 +17,7 @@ from stores import (
     build_store,
     dump_blocks,
     load_checked,
+    plant_flip,
     random_ids,
 )
 
@@ -182,4 +183,19 @@ def test_a_load_waiting_on_blocks_written_behind_cannot_starve_them(tmp_path, pl
     stall.release.set()
     assert (p.wait(t, timeout=30) == OK).all()
     assert np.array_equal(b.read(), block_bytes(ids, LAYOUT.shard_bytes))
+    p.close()
+
+
+def test_a_block_that_fails_verification_below_is_not_promoted(tmp_path, plat):
+    p = build_store("cache|posix", tmp_path, plat)
+    ids = random_ids(4, 41)
+    assert (dump_blocks(p.lower, plat, ids) == OK).all()  # only in the posix tier
+    plant_flip(p.lower, ids[1])
+    st = load_checked(p, plat, ids)
+    assert st.tolist() == [OK, int(BlockStatus.CORRUPT), OK, OK]
+    stats = p.stats()
+    assert stats["cache.slots_ready"] == 3 and stats["cache.slots_filling"] == 0
+    assert p.upper.lookup(ids).tolist() == [True, False, True, True]  # promoted: the good ones only
+    assert stats["corrupt_blocks"] == 1 and stats["posix.corrupt_blocks"] == 1
+    assert stats["load_corrupt"] == 1
     p.close()

@@ -12,11 +12,14 @@ import pytest
 from platforms import build
 from store_contract_failures import *  # noqa: F403  (part 2 of the suite)
 from stores import (
+    FLIP_AT,
     LAYOUT,
     Blocks,
     block_bytes,
     build_store,
+    plant_flip,
     random_ids,
+    set_verify,
     stop_pool_daemons,
 )
 
@@ -25,6 +28,7 @@ from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 
 OK, MISSING, FAILED = int(BlockStatus.OK), int(BlockStatus.MISSING), int(BlockStatus.FAILED)
 CANCELLED, TIMEOUT = int(BlockStatus.CANCELLED), int(BlockStatus.TIMEOUT)
+CORRUPT = int(BlockStatus.CORRUPT)
 N = 16
 
 
@@ -144,6 +148,60 @@ def test_two_shards_visible_only_when_complete(store_spec, tmp_path, plat):
         assert (s.wait(s.load(ids[:4], 0, out0.addrs)) == OK).all()
         assert (s.wait(s.load(ids[:4], 1, out1.addrs)) == OK).all()
         assert np.array_equal(out0.read(), d0[:4]) and np.array_equal(out1.read(), d1[:4])
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------------------- integrity
+def _dump_to(s, site, ids, plat):
+    """Dump ``block_bytes(ids)``: through ``s``, or (``bottom`` of a pipeline) into its lower
+    tier only, so the block is not in the cache."""
+    target = s.lower if site == "bottom" else s
+    src = Blocks(plat, LAYOUT, len(ids))
+    src.write(block_bytes(ids, LAYOUT.shard_bytes))
+    assert (target.wait(target.dump(ids, 0, src.addrs)) == OK).all()
+    src.free()
+
+
+@pytest.mark.parametrize("site", ["top", "bottom"])
+def test_same_size_corruption_is_never_served(store_spec, tmp_path, plat, site):
+    """A byte flipped where the store keeps the block (file on disk, cache slot, pool window)
+    makes that block CORRUPT, never a hit with the flipped bytes; the bad copy is dropped. With
+    verification off the same flip is served: the test can fail."""
+    tiers = store_spec.split("|")
+    if site == "bottom" and len(tiers) == 1:
+        pytest.skip("one tier: its bytes are planted by site=top")
+    s = build_store(store_spec, tmp_path, plat)
+    try:
+        planted = (s.upper if site == "top" else s.lower) if len(tiers) > 1 else s
+        ids = random_ids(4, 20)
+        data = block_bytes(ids, LAYOUT.shard_bytes)
+        _dump_to(s, site, ids, plat)
+        plant_flip(planted, ids[1])
+        dst = Blocks(plat, LAYOUT, 4)
+        st = load_all(s, ids, dst)
+        assert st.tolist() == [OK, CORRUPT, OK, OK]
+        ok = st == OK
+        assert np.array_equal(dst.read()[ok], data[ok])
+        assert s.stats()["corrupt_blocks"] >= 1 and s.stats()["load_corrupt"] == 1
+        again = Blocks(plat, LAYOUT, 1)
+        st = load_all(s, ids[1:2], again)
+        if site == "top" and len(tiers) > 1:  # the cache dropped its slot; the lower copy is good
+            assert st.tolist() == [OK] and np.array_equal(again.read()[0], data[1])
+        else:  # the only copy was dropped: a miss, and the next dump writes it again
+            assert st.tolist() == [MISSING] and not s.lookup(ids[1:2]).any()
+            _dump_to(s, site, ids[1:2], plat)
+            assert load_all(s, ids[1:2], again).tolist() == [OK]
+            assert np.array_equal(again.read()[0], data[1])
+        # negative control: the same flip with verification off is served as a hit
+        ids2 = random_ids(2, 21)
+        _dump_to(s, site, ids2, plat)
+        plant_flip(planted, ids2[0])
+        set_verify(s, "off")
+        out = Blocks(plat, LAYOUT, 2)
+        assert load_all(s, ids2, out).tolist() == [OK, OK]
+        got, want = out.read(), block_bytes(ids2, LAYOUT.shard_bytes)
+        assert np.flatnonzero(got[0] != want[0]).tolist() == [FLIP_AT] and np.array_equal(got[1], want[1])
     finally:
         s.close()
 

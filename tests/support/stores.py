@@ -134,6 +134,59 @@ def posix_tier(store: Store) -> Store | None:
     return None
 
 
+# ---------------------------------------------------------------------------- planted corruption
+FLIP_AT = 100  # the byte of a shard that ``plant_flip`` inverts (inside the first piece)
+
+
+def plant_flip(store: Store, block_id: np.ndarray, shard: int = 0, at: int = FLIP_AT) -> None:
+    """Invert one byte of shard ``shard`` of ``block_id`` where ``store`` (one tier, not a
+    pipeline) keeps it, leaving every size as it was: in the block file on disk (posix), in
+    the slot's memory (cache), in the pool's window (pool)."""
+    import ctypes
+
+    from kvfabric.ucm_layer.store.cache_index import keys_of
+
+    ids = np.ascontiguousarray(block_id.reshape(1, 16))
+    if store.name == "posix":
+        path = store.files.paths(ids)[0]  # type: ignore[attr-defined]
+        with open(path, "r+b") as f:
+            f.seek(shard * store.layout.shard_bytes + at)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+        return
+    if store.name == "cache":
+        slot = store.table.index[int(keys_of(ids, shard)[0])]  # type: ignore[attr-defined]
+        ptr = store.buffer.ptr + slot * store.slot_bytes + at  # type: ignore[attr-defined]
+    elif store.name == "pool":
+        client = store.client  # type: ignore[attr-defined]
+        key = store.keys(ids, shard)[0].encode()  # type: ignore[attr-defined]
+        i, (_seq, gva, size, _gen, _state, _exp, _csum) = client.table.lookup_raw(key)
+        assert i >= 0, f"pool key {key!r} not found"
+        local = client.dp.local(gva, size)
+        assert local is not None and local[1], "the pool object is not in host memory mapped here"
+        ptr = local[0] + at
+    else:
+        raise ValueError(f"no way to plant corruption in store {store.name!r}")
+    byte = ctypes.c_ubyte.from_address(int(ptr))
+    byte.value ^= 0xFF
+
+
+def set_verify(store: Store, verify: object) -> None:
+    """Switch checksum verification of every tier of ``store`` (a benchmark or a test's
+    negative control: with it off, a planted flip must be served)."""
+    from kvfabric.platform.checksum import Verify
+
+    v = Verify.parse(verify)
+    for t in (store, getattr(store, "upper", None), getattr(store, "lower", None)):
+        if t is None or t.name not in ("posix", "cache", "pool"):
+            continue
+        if t.name == "pool":
+            t.client.verify = v  # type: ignore[attr-defined]
+        else:
+            t.verify = v  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------------------- block data
 def block_bytes(ids: np.ndarray, nbytes: int, salt: int = 0) -> np.ndarray:
     """``(n, nbytes)`` contents derived from each id, so any block can be verified alone."""

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from kvfabric.platform.checksum import Verify
 from kvfabric.platform.sim import SimPlatform
 from kvfabric.ucm_layer.store import registry
 from kvfabric.ucm_layer.store.base import StoreLayout, check_addrs, check_ids
@@ -52,6 +53,10 @@ def test_create_from_one_flat_mapping(tmp_path, plat):
         assert isinstance(p, Pipeline) and p.name == "cache|posix"
         assert isinstance(p.upper, CacheStore) and isinstance(p.lower, PosixStore)
         assert p.config == PipelineConfig(write="behind") and p.upper.table.size == (1 << 20) // 1536
+        assert p.upper.verify is Verify.ON and p.lower.verify is Verify.ON  # the default
+    off = {**cfg, "posix.verify": "off", "cache.verify": False}
+    with registry.create(config=off, layout=LAYOUT, platform=plat) as p:
+        assert p.upper.verify is Verify.OFF and p.lower.verify is Verify.OFF
     with registry.create("posix", {"posix.dirs": [str(tmp_path)]}, layout=LAYOUT, platform=plat) as s:
         assert isinstance(s, PosixStore)
 
@@ -88,6 +93,13 @@ def test_create_from_one_flat_mapping(tmp_path, plat):
             "through",
         ),
         ("posix", {"store": "cache", "posix.dirs": "/nonexistent/kvf-test"}, "disagrees"),
+        (
+            "posix",
+            {"posix.dirs": "/nonexistent/kvf-test", "posix.verify": "maybe"},
+            r"bad value for config key posix\.verify='maybe': verify='maybe': expected one of on, off",
+        ),
+        ("cache", {"cache.capacity": 1 << 20, "cache.verify": 2}, r"config key cache\.verify"),
+        ("pool", {"pool.verify": "sometimes"}, r"config key pool\.verify"),
     ],
 )
 def test_config_errors_name_the_key(plat, spec, cfg, msg):
