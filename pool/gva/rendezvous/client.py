@@ -2,16 +2,26 @@
 
 One connection per client is one server session. Requests carry ids and replies are
 matched by a reader thread, so a thread blocked in ``get``/``watch`` does not hold up
-others. A heartbeat thread pings every ``ttl / 3`` seconds to keep the session (and its
-ephemeral keys) alive. When the connection is lost the session is over: every pending
-and later call raises ``ServiceUnavailable`` and ``session_lost`` turns True; the client
-does not reconnect (its ephemeral keys are gone, so its owner must join again).
+others. The client says its pid in its ``hello`` (the server checks it against ``/proc``
+before trusting it, see ``peer.py``).
+
+Liveness (see ``server.py`` for how the server judges it): a heartbeat thread sends a
+keep-alive frame every ``ttl / 3`` seconds without waiting for any answer, so a slow
+server cannot stretch the gap between two beats; the reader thread answers the server's
+probes itself, at once. Any request counts as a sign of life too.
+
+When the connection is lost the session is over: every pending and later call raises
+``ServiceUnavailable`` and ``session_lost`` turns True; the client does not reconnect (its
+ephemeral keys are gone, so its owner must join again). A call whose reply does not come
+within its timeout raises ``ServiceUnavailable`` too, but the session is not lost by that
+(``session_lost`` stays False): the caller may retry.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 import threading
 from typing import Any
@@ -25,10 +35,12 @@ from kvfabric.pool.gva.rendezvous.base import (
     check_value,
 )
 from kvfabric.pool.gva.rendezvous.protocol import (
+    BEAT,
     DECODER,
     ERROR_KINDS,
     HEADER,
     MAX_FRAME,
+    PROBE_TAG,
     frame,
     parse_address,
 )
@@ -73,7 +85,7 @@ class RendezvousClient(KVStore):
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name="kvfabric-rdv-reader", daemon=True)
         self._reader.start()
-        hello = self._call("hello", timeout=connect_timeout)
+        hello = self._call("hello", os.getpid(), timeout=connect_timeout)
         self.session: int = int(hello["session"])
         self.ttl: float = float(hello["ttl"])
         self._heart = threading.Thread(target=self._heartbeat, name="kvfabric-rdv-heartbeat", daemon=True)
@@ -97,6 +109,10 @@ class RendezvousClient(KVStore):
                 if n > MAX_FRAME:
                     raise ConnectionError(f"reply frame of {n} B exceeds {MAX_FRAME} B")
                 rid, ok, payload = DECODER.decode(self._read_exact(n))
+                if rid == 0:
+                    if payload == PROBE_TAG:
+                        self._answer_probe()
+                    continue
                 p = self._pending.pop(rid, None)
                 if p is not None:
                     p.ok, p.payload = ok, payload
@@ -137,11 +153,24 @@ class RendezvousClient(KVStore):
         kind, msg = p.payload
         raise ERROR_KINDS.get(kind, ServiceUnavailable)(msg)
 
+    def _answer_probe(self) -> None:
+        """Reader thread: answer the server's probe. If another thread is sending right now,
+        its frame is the answer (any frame is a sign of life), so never wait for the lock."""
+        if self._send_lock.acquire(blocking=False):
+            try:
+                self._sock.sendall(BEAT)
+            finally:
+                self._send_lock.release()
+
     def _heartbeat(self) -> None:
         period = max(self.ttl / 3.0, 0.05)
         while not self._stop.wait(period):
-            with contextlib.suppress(ServiceUnavailable):
-                self._call("ping", timeout=self.ttl)
+            try:
+                with self._send_lock:
+                    self._sock.sendall(BEAT)
+            except OSError as e:
+                self._fail_all(str(e))
+                return
 
     @staticmethod
     def _blocking_timeout(timeout: float | None) -> float | None:

@@ -7,8 +7,13 @@ needs nothing beyond the standard library. URL: ``etcd://HOST:PORT`` (the client
 * ``add`` / ``append`` are compare-and-swap loops on the key's ``mod_revision``; ``cas``
   is one transaction comparing the value (or ``create_revision == 0`` for "absent").
 * Ephemeral keys are attached to one lease per client (granted on first use, TTL
-  ``ttl`` seconds) that a thread keeps alive every ``ttl / 3``; ``close()`` revokes it,
-  so they vanish at once; a process that dies loses them when the lease expires.
+  ``ttl`` seconds, default 10: etcd cannot ask the process whether it is alive, so the TTL
+  alone must outlast a starved process) that a thread keeps alive every ``ttl / 3``.
+  A keep-alive that fails (one slow or refused HTTP request) is retried every
+  ``min(ttl / 10, 0.5)`` s; the session is lost only when etcd says the lease is gone or
+  no keep-alive has succeeded for ``ttl`` seconds (the lease has then expired anyway).
+  ``close()`` revokes the lease, so the keys vanish at once; a process that dies or is
+  stopped loses them when the lease expires.
 * ``watch`` opens a streaming watch from ``after + 1`` and returns the first batch of
   events (or none at the timeout); a compacted revision raises ``Compacted``.
 """
@@ -33,6 +38,8 @@ from kvfabric.pool.gva.rendezvous.base import (
     decode_int,
 )
 
+DEFAULT_LEASE_TTL = 10.0  # seconds: sized for a loaded 2-core box (see module docstring)
+
 
 def _b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode("ascii")
@@ -55,7 +62,7 @@ def _prefix_end(prefix: str) -> str:
 class EtcdStore(KVStore):
     """A rendezvous session on an etcd cluster (see module docstring)."""
 
-    def __init__(self, url: str, *, ttl: float = 3.0, call_timeout: float = 10.0) -> None:
+    def __init__(self, url: str, *, ttl: float = DEFAULT_LEASE_TTL, call_timeout: float = 10.0) -> None:
         if not url.startswith("etcd://"):
             raise ValueError(f"etcd address {url!r} must be etcd://HOST:PORT")
         host, _, port = url[len("etcd://") :].rstrip("/").rpartition(":")
@@ -119,15 +126,24 @@ class EtcdStore(KVStore):
 
     def _keepalive(self) -> None:
         period = max(self.ttl / 3.0, 0.2)
-        while not self._stop.wait(period):
+        retry = min(self.ttl / 10.0, 0.5)
+        deadline = time.monotonic() + self.ttl  # the lease was granted just now
+        wait = period
+        while not self._stop.wait(wait):
+            sent = time.monotonic()
             try:
                 r = self._post("/v3/lease/keepalive", {"ID": str(self._lease)})
             except ServiceUnavailable as e:
-                self._lost = f"lease keep-alive failed: {e}"
-                return
-            if int(r.get("result", {}).get("TTL", 0)) <= 0:
+                if time.monotonic() >= deadline:
+                    self._lost = f"lease keep-alive failed for {self.ttl:.0f} s: {e}"
+                    return
+                wait = retry  # one failed request is not a lost lease: try again soon
+                continue
+            left = int(r.get("result", {}).get("TTL", 0))
+            if left <= 0:
                 self._lost = "lease expired: ephemeral keys are gone"
                 return
+            deadline, wait = sent + left, period
 
     # ------------------------------------------------------------------ contract
     def set(self, key: str, value: bytes, *, ephemeral: bool = False) -> int:

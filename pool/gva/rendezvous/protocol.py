@@ -5,6 +5,10 @@ A frame is a 4-byte big-endian length and a msgpack array. Requests are
 where ``kind`` names the exception the client re-raises. Replies may come out of order
 (a blocking ``get``/``watch`` does not hold up the requests behind it).
 
+Liveness frames (id 0, never answered): a client's keep-alive ``[0, "beat"]`` (sent by its
+heartbeat thread, and by its reader thread in answer to a probe), and the server's probe
+``[0, None, "probe"]``, sent to a session that has been silent for ``session_ttl``.
+
 Addresses: ``kvf://HOST:PORT`` (TCP, 127.0.0.1 in tests) or ``kvf+unix:///PATH``.
 """
 
@@ -35,6 +39,12 @@ ERROR_KINDS: dict[str, type[Exception]] = {
 def frame(msg: Any) -> bytes:
     body = ENCODER.encode(msg)
     return HEADER.pack(len(body)) + body
+
+
+BEAT_OP = "beat"
+BEAT = frame([0, BEAT_OP])  # client -> server keep-alive
+PROBE_TAG = "probe"
+PROBE = frame([0, None, PROBE_TAG])  # server -> client: "are you alive?"
 
 
 def error_kind(e: BaseException) -> str:
