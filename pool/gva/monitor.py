@@ -10,14 +10,23 @@ It watches the pool's membership prefix (``{ns}/m/``) from one revision to the n
 
 Events arrive in revision order and a member's alive key is written before it enters
 the table, so "in the table but not alive" always means dead. A compacted watch
-re-reads everything with ``range``. Losing the store session ends the thread and marks
-the fabric evicted. Between events it unmaps retired windows whose grace has passed.
+re-reads everything with ``range``. Between events it unmaps retired windows whose grace
+has passed.
+
+Losing the store session (``store.session_lost``: the connection closed, the lease
+expired) ends the thread and marks the fabric evicted. Any other ``ServiceUnavailable``
+(a reply that came late on a loaded machine, one failed HTTP request to etcd) is not an
+eviction: the monitor waits a period and re-reads everything; only when such failures
+last ``TRANSIENT_LIMIT_S`` without one success does it give up and report the session
+lost. The store's own liveness (its session is what the other ranks watch) does not
+depend on this thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from kvfabric.errors import ServiceUnavailable
@@ -29,6 +38,8 @@ if TYPE_CHECKING:
     from kvfabric.pool.gva.fabric import Fabric
 
 log = logging.getLogger("kvfabric.gva")
+
+TRANSIENT_LIMIT_S = 30.0  # store errors that are not a lost session, for this long, count as one
 
 
 class Monitor(threading.Thread):
@@ -69,6 +80,7 @@ class Monitor(threading.Thread):
     def run(self) -> None:
         rev, raw, alive = -1, None, set()
         need_sync = True
+        failing_since: float | None = None
         while not self.stop.is_set():
             try:
                 if need_sync:
@@ -91,13 +103,24 @@ class Monitor(threading.Thread):
                             alive.add(tok)
                 if changed:
                     self._reconcile(raw, alive)
+                failing_since = None
                 self.fabric._reap()
             except Compacted:
                 need_sync = True
             except ServiceUnavailable as e:
-                if not self.stop.is_set():
+                if self.stop.is_set():
+                    return
+                now = time.monotonic()
+                if self.store.session_lost or now - (failing_since or now) >= TRANSIENT_LIMIT_S:
                     self.fabric._session_lost(e)
-                return
+                    return
+                if failing_since is None:
+                    failing_since = now
+                    log.warning(
+                        "gva monitor of rank %d: store call failed (%s); retrying", self.fabric.rank, e
+                    )
+                self.stop.wait(self.period)
+                need_sync = True
             except Exception:
                 log.exception("gva monitor of rank %d: unexpected error", self.fabric.rank)
                 self.stop.wait(self.period)
