@@ -18,8 +18,10 @@ from pool_testing import Daemon, _die_with_parent, content
 
 from kvfabric.errors import OutOfSpace, ServiceUnavailable
 from kvfabric.platform import shm
+from kvfabric.pool import client as pool_client
 from kvfabric.pool import connect
 from kvfabric.pool import node as pool_node
+from kvfabric.pool.client import PoolClient
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.node import PoolNode, StartStage
 from kvfabric.pool.status import Status
@@ -58,26 +60,49 @@ def _leftovers(shm_dir: Path, sock_dir: Path) -> list[str]:
     return left + sorted(n for n in os.listdir(sock_dir) if not n.endswith((".yaml", ".ranks")))
 
 
-def test_a_windowless_client_rejoining_first_does_not_take_the_owners_rank(tmp_path, isolated_shm):
+OWN = [f"own{i}" for i in range(30)]  # 100 KiB objects an owner with a window puts
+
+
+def _owner_then_crash(
+    tmp_path: Path, windowless: bool = True, forget_ranks: bool = False
+) -> tuple[Daemon, PoolClient, PoolClient | None, set[str]]:
+    """A daemon, an owner with a 2 MiB window that stored ``OWN`` (some in its own window,
+    returned), optionally a window-less client; then SIGKILL the daemon (``forget_ranks``:
+    and delete its rank file), let every client see it gone, and start the next daemon."""
     d = Daemon(tmp_path).start()
     owner = connect(d.socket, window_bytes=2 * MiB)
-    other = connect(d.socket)  # no window: any rank does for it
-    keys = [f"own{i}" for i in range(30)]
-    assert (owner.batch_put(keys, [content(k, 100 * KiB) for k in keys]) == Status.OK).all()
-    in_own = [k for k in keys if owner.in_own_window(int(owner.table.lookup(k.encode()).gva))]
-    assert in_own  # the fault needs objects that live in the owner's window
-    rank = owner.rank
+    other = connect(d.socket) if windowless else None
+    assert (owner.batch_put(OWN, [content(k, 100 * KiB) for k in OWN]) == Status.OK).all()
+    in_own = {k for k in OWN if owner.in_own_window(int(owner.table.lookup(k.encode()).gva))}
+    assert in_own and len(in_own) < len(OWN)  # the fault needs objects in the owner's window
     d.kill()  # no cleanup: clients notice at their next call
+    if forget_ranks:
+        os.unlink(d.socket + ".ranks")
     for c in (owner, other):
-        with pytest.raises(ServiceUnavailable):
-            c.info()
-    d2 = Daemon(tmp_path).start()
+        if c is not None:
+            with pytest.raises(ServiceUnavailable):
+                c.info()
+    return Daemon(tmp_path).start(), owner, other, in_own
+
+
+def _close_all(d: Daemon, shm_dir: Path, *clients: PoolClient | None) -> None:
+    for c in clients:
+        if c is not None:
+            c.close()
+    assert d.stop() == 0
+    assert segments(shm_dir) == []
+
+
+def test_a_windowless_client_rejoining_first_does_not_take_the_owners_rank(tmp_path, isolated_shm):
+    d2, owner, other, in_own = _owner_then_crash(tmp_path)
+    assert other is not None
+    rank = owner.rank
     try:
         other.refresh()  # the window-less client rejoins first...
         assert other.rank != rank  # ...and is not given the rank reserved for the owner
         owner.refresh()
         assert owner.rank == rank
-        for k in keys:  # the owner's objects are readable, by both clients
+        for k in OWN:  # the owner's objects are readable, by both clients
             assert owner.get(k) == content(k, 100 * KiB)
         for k in in_own:
             assert other.get(k) == content(k, 100 * KiB)
@@ -85,11 +110,51 @@ def test_a_windowless_client_rejoining_first_does_not_take_the_owners_rank(tmp_p
         assert (owner.batch_put(late, [content(k, 50 * KiB) for k in late]) == Status.OK).all()
         assert all(other.get(k) == content(k, 50 * KiB) for k in late)
         assert other.put("other", b"x" * 1000) is Status.OK and owner.get("other") == b"x" * 1000
-        owner.close()
-        other.close()
     finally:
-        assert d2.stop() == 0
-    assert segments(isolated_shm) == []
+        _close_all(d2, isolated_shm, owner, other)
+
+
+def test_a_catch_up_that_fails_half_way_is_retried_on_the_next_call(tmp_path, isolated_shm, monkeypatch):
+    d2, owner, _, _ = _owner_then_crash(tmp_path, windowless=False)
+    rank = owner.rank
+    real_join = pool_client.Fabric.join
+    calls = []
+
+    def join_fails_once(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs.get("rank"))
+        if len(calls) == 1:  # the fault: the rejoin after the restart fails once
+            raise ServiceUnavailable("injected: rendezvous not reachable")
+        return real_join(*args, **kwargs)
+
+    try:
+        monkeypatch.setattr(pool_client.Fabric, "join", join_fails_once)
+        with pytest.raises(ServiceUnavailable, match="injected"):
+            owner.refresh()
+        owner.refresh()  # the epoch was not recorded: this call catches up
+        assert calls == [rank, rank] and owner.rank == rank
+        assert all(owner.get(k) == content(k, 100 * KiB) for k in OWN)
+        assert owner.put("after", b"z" * 5000) is Status.OK and owner.get("after") == b"z" * 5000
+    finally:
+        _close_all(d2, isolated_shm, owner)
+
+
+def test_an_owner_whose_rank_was_taken_drops_its_objects_never_serves_wrong_bytes(tmp_path, isolated_shm):
+    # the fault: no rank file, so nothing tells the next daemon to hold the owner's rank
+    d2, owner, other, in_own = _owner_then_crash(tmp_path, forget_ranks=True)
+    assert other is not None
+    rank = owner.rank
+    try:
+        other.refresh()
+        assert other.rank == rank  # unreserved, the lowest free rank went to the first to ask
+        owner.refresh()  # its rank is held: it rejoins at another and drops its window's objects
+        assert owner.rank != rank
+        for k in OWN:
+            for c in (owner, other):
+                assert c.batch_get([k])[0] == (None if k in in_own else content(k, 100 * KiB))
+        assert owner.put("after", content("after", 200 * KiB)) is Status.OK
+        assert other.get("after") == content("after", 200 * KiB)
+    finally:
+        _close_all(d2, isolated_shm, owner, other)
 
 
 def test_ten_racing_daemons_on_one_socket_one_runs_the_others_name_its_pid(tmp_path, isolated_shm):
