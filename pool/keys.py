@@ -104,7 +104,7 @@ def _bad_int(v: Any, lo: int, hi: int) -> str:
 def check_ints(values: Sequence[Any], name: str, lo: int = 0, hi: int = U64_MAX) -> list[int]:
     """Every item an integer in ``[lo, hi]`` (not a bool, not a float); as Python ints."""
     check_count(values, name)
-    if all(type(v) is int for v in values) and (not values or (min(values) >= lo and max(values) <= hi)):
+    if not values or (set(map(type, values)) == {int} and min(values) >= lo and max(values) <= hi):
         return list(values)
     for i, v in enumerate(values):
         why = _bad_int(v, lo, hi)
