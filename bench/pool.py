@@ -15,9 +15,11 @@ poolrunner.Runner`), every round next to a memcpy of the same bytes in the same
 processes, over working sets far larger than the CPU caches, with every buffer
 pre-touched; figures are medians of rounds. A row per case carries the pool's figures,
 ``ratio_vs_memcpy``, ``ratio_vs_mooncake``, ``ratio_vs_redis`` (throughput ratios; for
-``batch_exists``, call-time ratios), each peer's own figures in a nested object, and the
-machine load during the pool's measurement (``other_core``). A peer that is not
-installed or does not start leaves its ratio ``null`` and says why in its object. The
+``batch_exists``, call-time ratios), for reads ``ratio_verify_on_vs_off`` (the same case
+measured again right after with checksum verification off, its figures in
+``verify_off``), each peer's own figures in a nested object, and the machine load during
+the pool's measurement (``other_core``). A peer that is not installed or does not start
+leaves its ratio ``null`` and says why in its object. The
 last row is the directory's size per object at 10^6 objects (:mod:`~kvfabric.bench.pooldir`).
 
 Options (``BenchContext.options``, for tests and experiments): ``working_set``, ``sizes``
@@ -204,6 +206,20 @@ def make_row(
     return row
 
 
+def verify_cost(runner: Runner, case: Case, plan: Plan, on: CaseResult) -> dict[str, Any]:
+    """The same read case again with checksum verification off, right after the run with
+    it on (the pool's default): ``ratio_verify_on_vs_off`` is the throughput kept with it."""
+    runner.set_verify("off")
+    try:
+        off = runner.run(case, plan)
+    finally:
+        runner.set_verify("on")
+    return {
+        "ratio_verify_on_vs_off": _ratio(on.gbps, off.gbps),
+        "verify_off": {"gbps": off.gbps, "p50_us": off.p50_us, "p99_us": off.p99_us},
+    }
+
+
 def measure_peers(plan: Plan, workdir: str) -> dict[str, tuple[Results, str]]:
     """Each peer's results by case, and why it has none (empty when measured)."""
     peers: dict[str, tuple[Results, str]] = {}
@@ -269,7 +285,11 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
             try:
                 runner.warm(plan.working_set)
                 for case in plan.cases:
-                    yield make_row(case, runner.run(case, plan), peers, note)
+                    ours = runner.run(case, plan)
+                    row = make_row(case, ours, peers, note)
+                    if case.op is Op.GET:
+                        row.update(verify_cost(runner, case, plan, ours))
+                    yield row
             finally:
                 runner.close()
         finally:

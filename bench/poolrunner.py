@@ -153,6 +153,10 @@ class Runner:
             raise first_error
         return replies
 
+    def set_verify(self, mode: str) -> None:
+        """Every client reads with checksum verification ``mode`` ("on" / "off")."""
+        self._ask(len(self.conns), "set_verify", mode)
+
     def warm(self, nbytes: int) -> None:
         """Fault the store's memory in once (puts then removes ``nbytes``)."""
         self._ask(1, "warm", nbytes)

@@ -250,6 +250,12 @@ class Worker:
             wrong += int.from_bytes(self.scratch[o : o + 8].tobytes(), "little") != STAMP_SALT + s
         return wrong
 
+    def set_verify(self, mode: str) -> None:
+        """Whether reads check the writer's checksum (stores without checksums ignore it)."""
+        setter = getattr(self.driver, "set_verify", None)
+        if setter is not None:
+            setter(mode)
+
     def release(self) -> None:
         """Remove everything this client stored (it sits the next cases out)."""
         self._flush_puts()

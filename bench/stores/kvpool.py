@@ -97,6 +97,11 @@ class Driver:
     def register(self, arr: np.ndarray) -> None:
         self._bufs.append(self.client.platform.wrap(arr))
 
+    def set_verify(self, mode: str) -> None:
+        from kvfabric.platform.checksum import Verify
+
+        self.client.verify = Verify.parse(mode)
+
     def call(self, op: Op, keys: list[str], ptrs: np.ndarray, sizes: np.ndarray) -> Callable[[], int]:
         c = self.client
         k, m = ptrs.shape

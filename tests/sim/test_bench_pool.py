@@ -65,6 +65,10 @@ def test_bench_pool_rows_with_all_peers(isolated_shm):
         assert r["detail"]["working_set"] > 0 and r["detail"]["rounds"] >= 5, r
         _check_peer(r, "mooncake")
         _check_peer(r, "redis")
+        if "get" in r["op"]:  # reads are measured again with checksum verification off
+            assert r["ratio_verify_on_vs_off"] > 0 and r["verify_off"]["gbps"] > 0, r
+        else:
+            assert "ratio_verify_on_vs_off" not in r, r
     exists = [r for r in rows if r["case"] == "exists"]
     assert len(exists) == 2 and all(r["op"] == "batch_exists" and r["p50_us"] > 0 for r in exists)
     (directory,) = [r for r in rows if r["case"] == "directory"]
