@@ -4,7 +4,8 @@
 ``ServiceUnavailable`` within ``timeout`` seconds; it never hangs. After a timeout the
 connection is dropped (so a late reply can never be taken for the next call's) and the
 next call reconnects. TCP connections authenticate with the token (HMAC challenge). A reply whose
-``error`` is set is raised as ``ValueError`` (the service refused the request itself).
+``error`` is set is raised as ``ValueError`` (the service refused the request itself, naming
+the bad field; see ``dispatch.py``), and so is a request longer than ``MAX_FRAME``.
 Thread-safe: calls are serialised on one socket per transport.
 
 Waiting for a reply: on a Unix socket the caller first polls for up to ``spin_us``
@@ -130,6 +131,8 @@ class SocketTransport:
 
     def call(self, req: Any) -> p.Reply:
         payload = p.encode(req)
+        if len(payload) > p.MAX_FRAME:  # the service would close the connection unread
+            raise ValueError(f"pool request of {len(payload)} B is longer than {p.MAX_FRAME} B: split it")
         with self._lock:
             conn = self._connect()
             try:

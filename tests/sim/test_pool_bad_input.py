@@ -21,7 +21,7 @@ from kvfabric.pool import EmbeddedPool, connect
 from kvfabric.pool import protocol as p
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.keys import MAX_BATCH
-from kvfabric.pool.rpc import LocalTransport
+from kvfabric.pool.rpc import LocalTransport, SocketTransport
 
 KiB = 1 << 10
 
@@ -297,3 +297,15 @@ def test_register_buffer_refuses_memory_this_process_has_not_mapped(embedded):
     finally:
         libc.munmap(addr, page)
         libc.munmap(addr + 2 * page, page)
+
+
+def test_a_request_longer_than_a_frame_is_refused_before_sending(daemon, monkeypatch):
+    t = SocketTransport(daemon.socket, timeout=10)
+    try:
+        assert t.call(p.Exists([b"k" * 200] * 10)).flags == [False] * 10
+        monkeypatch.setattr(p, "MAX_FRAME", 1000)
+        with pytest.raises(ValueError, match="longer than 1000 B"):
+            t.call(p.Exists([b"k" * 200] * 10))
+        assert t.call(p.Exists([b"k"])).flags == [False]  # the connection is still good
+    finally:
+        t.close()
