@@ -60,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StartInterrupted as e:
         log.warning("kvfabric pool: %s; nothing was left behind", e)
         return 128 + e.signum
-    except KVFabricError as e:
+    except (KVFabricError, OSError) as e:  # e.g. a port in use, a socket directory not writable
         print(f"kvfabric pool serve: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"event": "ready", **daemon.endpoints()}), flush=True)

@@ -198,4 +198,5 @@ class PoolDaemon:
         for lock in reversed(self._locks):
             lock.release()
         self._locks.clear()
-        log.info("kvfabric pool %r stopped", self.config.name)
+        if self.node is not None:
+            log.info("kvfabric pool %r stopped", self.config.name)

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from kvfabric.errors import HandleError
 from kvfabric.platform import shm
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
@@ -119,7 +120,14 @@ class PoolNode:
 
     def _start(self) -> None:
         if self.persistent and self.config.dram:
-            self.window, created = self.platform.alloc_named(self._name("window"), self.config.dram)
+            try:
+                self.window, created = self.platform.alloc_named(self._name("window"), self.config.dram)
+            except HandleError as e:
+                path = os.path.join(shm.shm_dir(), shm.NAMED + self._name("window"))
+                raise HandleError(
+                    f"pool {self.config.name!r}: {e}; it is the window of an earlier daemon of this pool: "
+                    f"start with that dram size to recover its objects, or delete {path}"
+                ) from e
             self._window_found = not created
             self._stage(StartStage.WINDOW)
         epoch = int.from_bytes(os.urandom(8), "little") | 1

@@ -243,6 +243,19 @@ def test_an_interrupted_restart_keeps_what_it_found_for_the_next_one(tmp_path, i
     assert _leftovers(isolated_shm, tmp_path) == []
 
 
+def test_a_restart_with_another_window_size_names_the_cause_and_keeps_the_window(tmp_path, isolated_shm):
+    d = Daemon(tmp_path, dram="8MiB").start()
+    d.kill()
+    crashed = segments(isolated_shm)
+    proc = _spawn(Daemon(tmp_path, dram="16MiB"))
+    assert _event(proc) == {} and proc.wait(60) == 2
+    err = proc.stderr.read()
+    assert "exists with 8388608 B, not 16777216 B" in err and "start with that dram size" in err, err
+    assert segments(isolated_shm) == crashed  # the earlier daemon's window and table, untouched
+    assert Daemon(tmp_path, dram="8MiB").start().stop() == 0  # the same size recovers it
+    assert _leftovers(isolated_shm, tmp_path) == []
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 16 MiB tmpfs as the shared-memory directory (needs mount rights: root)."""
