@@ -104,8 +104,9 @@ def _encode(obj: Any, out: bytearray) -> None:
 class Fingerprint:
     """What makes KV bytes of the same tokens differ: ids of different fingerprints never meet.
 
-    ``kv_layout`` names the shape of a block's bytes as the store sees them (e.g.
-    ``"2x28x64KiB"``, ``"mla-61x2"``); ``salt`` isolates tenants or deployments.
+    ``kv_layout`` names what a block's bytes mean as the store sees them (e.g.
+    ``"2x28x64KiB"``, ``"mla-61x2"``; the vLLM connector's form, with the physical layout's
+    signature, is in docs/hashing.md); ``salt`` isolates tenants or deployments.
     """
 
     model: str

@@ -3,14 +3,17 @@
 The scenarios: the same prompt twice with vLLM's own prefix cache off (the second run
 loads its prefix through kvfabric and generates the same tokens); two engine processes
 sharing one store; a store whose data went bad between runs (recompute, same tokens,
-one warning); and a negative control (noise in the store changes the tokens, so the
-loads are real).
+one warning); same-size noise over every block's bytes between runs (the checksums catch
+it: the blocks fail as ``CORRUPT``, are counted, and the tokens are the cold run's); and
+a negative control (the same noise with verification off changes the tokens, so the
+loads are real and the noise would matter).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -20,6 +23,8 @@ import numpy as np
 import pytest
 
 from kvfabric.bench.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
+from kvfabric.ucm_layer.connector import metrics
+from kvfabric.ucm_layer.store.base import BlockStatus
 
 PROMPT_LEN = 300  # 9 full blocks can load; the 10th holds the last prompt token
 
@@ -30,6 +35,24 @@ def _prompt(seed: int, vocab: int, n: int = PROMPT_LEN) -> list[int]:
 
 def _block_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".") and "tmp" not in p.name]
+
+
+def _noise_payloads(engine, root: Path, seed: int) -> int:
+    """Overwrite the block bytes of every block file under ``root`` with same-size noise
+    (KV-like float32 values), leaving whatever the store keeps after them (its checksum
+    trailer) and the file's size as they were. Returns the number of files."""
+    layout = engine.worker().store.layout
+    payload = layout.num_shards * layout.shard_bytes
+    rng = np.random.default_rng(seed)
+    files = _block_files(root)
+    for f in files:
+        size = f.stat().st_size
+        assert size >= payload, (f, size, payload)
+        noise = (rng.standard_normal(payload // 4) * 3).astype(np.float32).tobytes()
+        with open(f, "r+b") as fh:
+            assert os.pwrite(fh.fileno(), noise, 0) == payload
+        assert f.stat().st_size == size
+    return len(files)
 
 
 def _totals(engine):
@@ -141,7 +164,9 @@ def test_store_gone_bad_between_runs_recomputes_with_one_warning(tiny_model, tmp
             again = [eng.generate([prompt], 12) for _ in range(2)]
         worker, _ = _totals(eng)
         assert again == [ref, ref]
-        assert worker["load_failed_blocks"] >= 2 * ((PROMPT_LEN - 1) // BLOCK_SIZE)
+        # the first rerun fails every block; the store drops the bad files, so the second
+        # one misses them (and stores them again) instead of failing them a second time
+        assert worker["load_failed_blocks"] == (PROMPT_LEN - 1) // BLOCK_SIZE
         ours = [r for r in caplog.records if r.name == "kvfabric.connector" and r.levelno >= logging.WARNING]
         assert len(ours) == 1, [r.getMessage() for r in ours]
         assert "recomputes" in ours[0].getMessage()
@@ -150,18 +175,47 @@ def test_store_gone_bad_between_runs_recomputes_with_one_warning(tiny_model, tmp
         eng.close()
 
 
-def test_noise_in_the_store_changes_the_tokens(tiny_model, tmp_path):
-    eng = make_engine(tiny_model, kvfabric_transfer_config("posix", tmp_path), kv_bytes=64 << 20)
+def test_same_size_noise_in_the_store_is_recomputed_not_served(smol_model, tmp_path):
+    """Run 1 (cold) stores the prompt's blocks; same-size noise then replaces every block's
+    bytes; run 2 must give run 1's tokens, every block failing its checksum (counted as
+    such, handed to vLLM to recompute) instead of loading; the store dropped the bad
+    copies, so run 3 recomputes and stores them again and still gives the same tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_model)
+    prompt = tok("A short history of the lighthouse keepers of the northern coast. " * 12)["input_ids"]
+    blocks = (len(prompt) - 1) // BLOCK_SIZE
+    eng = make_engine(
+        smol_model, kvfabric_transfer_config("posix", tmp_path), kv_bytes=128 << 20, max_model_len=1024
+    )
+    try:
+        cold = eng.generate([prompt], 8)
+        eng.flush()
+        assert _noise_payloads(eng, tmp_path, seed=5) == blocks > 0
+        again = eng.generate([prompt], 8)
+        worker, sched = _totals(eng)
+        assert again == cold
+        assert sched["external_hit_tokens"] == blocks * BLOCK_SIZE  # the lookup saw them: a real try
+        assert worker["loaded_blocks"] == 0
+        assert worker["load_failed_blocks"] == blocks
+        checksum = metrics.failure_counter(metrics.failure_reason(BlockStatus.CORRUPT))
+        assert worker[checksum] == blocks
+        assert eng.generate([prompt], 8) == cold
+    finally:
+        eng.close()
+
+
+def test_noise_in_the_store_changes_the_tokens_without_verification(tiny_model, tmp_path):
+    """Negative control: with the store's checksum check off, the same noise loads as a
+    hit and changes the tokens (so the loads are real, and the check above is what keeps
+    them right)."""
+    transfer = kvfabric_transfer_config("posix", tmp_path, store_options={"posix.verify": "off"})
+    eng = make_engine(tiny_model, transfer, kv_bytes=64 << 20)
     try:
         prompt = _prompt(4, 512)
         ref = eng.generate([prompt], 12)
         eng.flush()
-        rng = np.random.default_rng(0)
-        files = _block_files(tmp_path)
-        assert files
-        for f in files:
-            n = f.stat().st_size // 4
-            f.write_bytes((rng.standard_normal(n) * 3).astype(np.float32).tobytes())
+        assert _noise_payloads(eng, tmp_path, seed=0)
         noisy = eng.generate([prompt], 12)
         worker, _ = _totals(eng)
         assert worker["loaded_blocks"] == (PROMPT_LEN - 1) // BLOCK_SIZE
