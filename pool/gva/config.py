@@ -91,7 +91,7 @@ class GvaConfig:
     remote_host: str = field(default_factory=lambda: MC_TCP_BIND_ADDRESS.get() or "127.0.0.1")
     copy_streams: int = 1
     join_timeout: float = 30.0
-    heartbeat_ttl: float = 3.0
+    heartbeat_ttl: float = 10.0  # etcd cannot ask a starved process whether it lives: roomy
     unmap_grace: float = 5.0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
