@@ -61,7 +61,8 @@ def _handler(dispatcher: Dispatcher) -> type[BaseHTTPRequestHandler]:
                     self._json({"error": "start and limit must be integers"}, 400)
                     return
                 prefix = q.get("prefix", [""])[0].encode()
-                self._json(dispatcher.handle(p.ListKeys(prefix, start, limit)).data)
+                reply = dispatcher.handle(p.ListKeys(prefix, start, limit))
+                self._json({"error": reply.error} if reply.error else reply.data, 400 if reply.error else 200)
             else:
                 self._json(
                     {

@@ -5,10 +5,13 @@ afterwards, and the daemon keeps serving (the same connection and new ones)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import socket
 import struct
+import urllib.error
+import urllib.request
 from multiprocessing.connection import Client, Connection
 
 import msgspec
@@ -178,6 +181,12 @@ def test_broken_frames_close_only_their_connection(daemon):
             assert _call(conn, {"type": "exists", "keys": [b"k"]}).flags == [True]
             conn.close()
         assert c.info()["objects"] == 1
+        # the HTTP endpoint passes the service's refusal on as a 400
+        base = f"http://127.0.0.1:{daemon.ready['http_port']}"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{base}/keys?start=-1")
+        assert e.value.code == 400 and "start = -1" in json.load(e.value)["error"]
+        assert json.load(urllib.request.urlopen(f"{base}/keys"))["keys"] == ["k"]
     finally:
         c.close()
 
