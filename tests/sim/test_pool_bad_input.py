@@ -10,6 +10,8 @@ import mmap
 import os
 import socket
 import struct
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from multiprocessing.connection import Client, Connection
@@ -318,3 +320,26 @@ def test_a_request_longer_than_a_frame_is_refused_before_sending(daemon, monkeyp
         assert t.call(p.Exists([b"k"])).flags == [False]  # the connection is still good
     finally:
         t.close()
+
+
+@pytest.mark.parametrize(
+    "yaml,message",
+    [
+        ("pretouch: maybe\n", "pool config pretouch='maybe': expected a boolean"),
+        ("prettouch: true\n", "unknown pool config key(s) ['prettouch']; known: ['align',"),
+        ("max_objects: lots\n", "pool config max_objects='lots': expected an integer"),
+    ],
+)
+def test_a_bad_config_file_stops_the_daemon_with_the_key_and_no_traceback(
+    tmp_path, isolated_shm, yaml, message
+):
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text(f"name: badcfg\nsocket: {tmp_path / 'p.sock'}\n{yaml}")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvfabric.cli", "pool", "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert segments(isolated_shm) == [] and not (tmp_path / "p.sock").exists()
