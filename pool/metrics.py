@@ -40,6 +40,13 @@ class PoolMetrics:
         self.capacity = Gauge("kvfabric_pool_capacity_bytes", "window bytes", ["rank", "medium"], registry=r)
         self.evictions = Gauge("kvfabric_pool_evicted_objects", "objects evicted so far", registry=r)
         self.evicted_bytes = Gauge("kvfabric_pool_evicted_bytes", "bytes evicted so far", registry=r)
+        self.fenced = Gauge(
+            "kvfabric_pool_fenced_bytes",
+            "space of writes that outlived their lease, reserved until the writer is done or gone",
+            ["rank", "medium"],
+            registry=r,
+        )
+        self.fences = Gauge("kvfabric_pool_fences", "write leases that expired before the commit", registry=r)
         self._children: dict[str, tuple[Any, Any, Any]] = {}
 
     def observe(self, op: str, seconds: float, reply: Any) -> None:
@@ -68,6 +75,8 @@ class PoolMetrics:
             labels = (str(row["rank"]), str(row["medium"]))
             self.used.labels(*labels).set(row["used"])
             self.capacity.labels(*labels).set(row["capacity"])
+            self.fenced.labels(*labels).set(row["fenced"])
+        self.fences.set(service.counters.fences)
         self.evictions.set(service.counters.evicted_objects)
         self.evicted_bytes.set(service.counters.evicted_bytes)
 
