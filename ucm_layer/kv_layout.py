@@ -15,9 +15,9 @@ Nothing here imports torch: tensors are read through ``shape``, ``stride()``,
 (the caller keeps the tensors alive and makes them addressable on its platform).
 
 :attr:`KVLayout.signature` names what the bytes of a stored block *mean*, without
-addresses, strides or the block count: per layer and tensor the dtype, where the block
-dimension is, how many kernel blocks make one block, and the other dimensions in the
-order the bytes run through them (physical order). A store holds a block as its pieces
+addresses, strides or the block count: per layer and tensor the dtype, how many kernel
+blocks make one block, the sizes of the other dimensions, and the order the bytes run
+through them (physical order). A store holds a block as its pieces
 in order, so two engines whose signatures match store the same bytes for the same KV
 and may share blocks; any difference (another dimension order, dtype, head count, layer
 count) means they may not. :class:`TensorGeometry` lets a caller that has no tensors
@@ -179,10 +179,14 @@ def _block_dim(t: Any, num_blocks: int, block_stride: int | None) -> tuple[int, 
 
 
 def _tensor_signature(shape: Sequence[int], strides: Sequence[int], dtype: str, d: int, k: int) -> str:
-    """What the bytes of one block of a tensor mean: rank, block dimension ``d``, kernel
-    blocks ``k``, dtype, and the other dimensions (``index=size``) in physical order."""
-    dims = sorted((i for i in range(len(shape)) if i != d and shape[i] != 1), key=lambda i: (-strides[i], i))
-    return f"r{len(shape)}d{d}k{k}:{dtype}:" + ",".join(f"{i}={shape[i]}" for i in dims)
+    """What the bytes of one block of a tensor mean: kernel blocks ``k`` per block, dtype,
+    the sizes of the other dimensions in logical order (size-1 dimensions dropped, so a
+    tensor with an extra unit axis reads the same), and the order the bytes run through
+    them (``/``: positions in that list, largest stride first)."""
+    sub = [i for i in range(len(shape)) if i != d and shape[i] != 1]
+    order = sorted(range(len(sub)), key=lambda j: (-strides[sub[j]], j))
+    sizes = "x".join(str(shape[i]) for i in sub) or "1"
+    return f"k{k}:{dtype}:{sizes}/" + ",".join(str(j) for j in order)
 
 
 def _tensor_pieces(

@@ -78,6 +78,8 @@ def test_same_prompt_twice_loads_through_kvfabric(tiny_model, tmp_path, extra):
         eng.flush()
         worker, sched = _totals(eng)
         assert worker["loaded_blocks"] == 0 and worker["saved_blocks"] >= (PROMPT_LEN - 1) // BLOCK_SIZE
+        w = eng.worker()  # the ids cover the physical layout the worker really got
+        assert w.expected_layout is not None and w.expected_layout == w.layout.signature
         second = eng.generate([prompt], 12)
         worker, sched = _totals(eng)
         assert second == first

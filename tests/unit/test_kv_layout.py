@@ -102,7 +102,9 @@ def test_signature_names_the_meaning_of_the_bytes_not_where_they_are():
         return {f"l{i}": t for i in range(n)}
 
     base = layout_from_tensors(layers(torch.zeros(8, 2, 16, 32)), 8)
-    assert base.signature == "3*[r4d0k1:torch.float32:1=2,2=16,3=32]"
+    assert base.signature == "3*[k1:torch.float32:2x16x32/0,1,2]"
+    unit_axis = layout_from_tensors(layers(torch.zeros(8, 1, 2, 16, 32)), 8)  # the same bytes
+    assert unit_axis.signature == base.signature
     assert layout_from_tensors(layers(torch.zeros(20, 2, 16, 32)), 20).signature == base.signature
     padded = torch.zeros(8, 2 * 16 * 32 + 64)[:, : 2 * 16 * 32].view(8, 2, 16, 32)
     assert layout_from_tensors(layers(padded), 8).signature == base.signature

@@ -151,10 +151,12 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         )
         geometry, layout_name = compat.expected_kv_geometry(vllm_config, kv_cache_config)
         self.expected_layout: str | None = None  # the physical layout's signature the ids cover
+        self._layout_note = layout_name  # the layout's name, or why it is not covered
         if geometry is not None and self.info.num_blocks:
             expected = layout_from_tensors(geometry, int(self.info.num_blocks), self.info.block_strides)
             self.expected_layout = expected.signature
-        self._layout_note = layout_name if geometry is not None else f"not covered: {layout_name}"
+        elif geometry is not None:
+            self._layout_note = "unknown: kv_cache_config does not give the block count"
         self._hasher = hashing.BlockHasher(
             _fingerprint(self.cfg, self.info, kv_cache_config, self.expected_layout)
         )

@@ -160,8 +160,8 @@ class WorkerSide:
         if self.expected_layout is None:
             if self._layout_note:
                 log.warning(
-                    "kvfabric worker rank %d: the physical KV layout is %s, so block ids cannot cover "
-                    "it; engines sharing this store must lay out their KV caches alike (%s)",
+                    "kvfabric worker rank %d: the block ids do not cover the physical KV layout (%s); "
+                    "engines sharing this store must lay out their KV caches alike (this one: %s)",
                     self.rank,
                     self._layout_note,
                     layout.signature,
