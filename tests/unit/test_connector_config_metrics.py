@@ -94,6 +94,23 @@ def test_stats_windows_merge_and_reduce():
     assert metrics.is_empty(metrics.empty()) and not metrics.is_empty(m)
 
 
+def test_load_failures_are_counted_by_reason():
+    from kvfabric.ucm_layer.store.base import BlockStatus
+
+    assert {"missing", "failed", "timeout", "cancelled", "error"} <= set(metrics.FAILURE_REASONS)
+    assert "ok" not in metrics.FAILURE_REASONS and "pending" not in metrics.FAILURE_REASONS
+    assert metrics.failure_reason(BlockStatus.MISSING) == "missing"
+    assert metrics.failure_reason(BlockStatus.OK) == "error"  # not a failure: never counted as one
+    assert metrics.failure_reason(99) == "error"
+    with pytest.raises(ValueError, match="unknown load failure reason 'slow'"):
+        metrics.failure_counter("slow")
+    w = metrics.StatsWindow()
+    w.add(load_failed_blocks=3, load_failed_missing=2, load_failed_error=1)
+    m = metrics.merge(w.take(), {"load_failed_blocks": 1, "load_failed_missing": 1})
+    r = metrics.reduce(m)
+    assert r["load_failed_blocks"] == 4 and r["load_failed_missing"] == 3 and r["load_failed_error"] == 1
+
+
 def test_spans_are_noops_without_an_endpoint_and_real_with_a_tracer():
     t = Tracer(None)
     assert not t.enabled
