@@ -4,13 +4,18 @@ Cases, every figure next to its comparison measured in the same run (rounds inte
 medians of at least 5 rounds, every buffer pre-touched):
 
 * dump / load of ``blocks`` blocks (128; 32 with ``--quick``) for each store and pipeline,
-  in two block shapes: ``2x28x64KiB`` (2 x 28 layers of 64 KiB, one piece per layer tensor,
-  as vLLM lays KV caches out) and ``deepseek-r1`` (61 layers x (128 KiB latent + 16 KiB
-  rope) = 122 pieces, 8.6 MiB). The caller's buffers are device memory (``HBM``) of the
-  platform; ``ratio_vs_memcpy`` divides by a numpy copy of the same number of bytes
-  between two pre-touched host arrays. Dumps use fresh ids every round (stores are
-  put-if-absent); loads read the blocks just dumped (resident in a cache). For
-  ``cache|posix`` also ``load_miss``: blocks only in the posix tier.
+  in three block shapes: ``2x28x64KiB`` (2 x 28 layers of 64 KiB, one piece per layer
+  tensor, as vLLM lays KV caches out; 3.5 MiB), ``deepseek-r1`` (61 layers x (128 KiB
+  latent + 16 KiB rope) = 122 pieces, 8.6 MiB) and ``2x28x8KiB`` (448 KiB, below 1 MiB).
+  The caller's buffers are device memory (``HBM``) of the platform; ``ratio_vs_memcpy``
+  divides by a numpy copy of the same number of bytes between two pre-touched host
+  arrays. Dumps use fresh ids every round (stores are put-if-absent); loads read the
+  blocks just dumped (resident in a cache). For ``cache|posix`` also ``load_miss``:
+  blocks only in the posix tier.
+* checksum verification: every load is measured twice per round, with ``verify`` on (the
+  default) and off (``set_verify``), in alternating order; the ``*_noverify`` rows are the
+  loads with it off and each verified row carries ``noverify_gbps`` and
+  ``ratio_vs_noverify`` (1.0: verification is free; 0.9: it costs 10 % of throughput).
 * stores with a posix tier also carry ``read_gbps`` / ``write_gbps``: a ``cp``-style read
   of the same block files into one reused host buffer, and a plain write of the same
   bytes to new files, with ``ratio_vs_read`` (posix loads, pipeline loads of misses) and
@@ -48,10 +53,21 @@ KiB, MiB = 1 << 10, 1 << 20
 SHAPES: dict[str, tuple[int, ...]] = {
     "2x28x64KiB": (64 * KiB,) * 56,
     "deepseek-r1": (128 * KiB, 16 * KiB) * 61,
+    "2x28x8KiB": (8 * KiB,) * 56,
 }
 #: stores and pipelines benchmarked
 STORES = ["posix", "cache", "cache|posix", "pool", "cache|pool"]
 LOOKUP_IDS = 1000
+#: the timed operations reported, each verified load next to the same load unverified
+LOAD_OPS = (
+    "dump",
+    "load",
+    "load_noverify",
+    "load_miss",
+    "load_miss_noverify",
+    "load_host",
+    "load_host_noverify",
+)
 
 
 def _ids(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -88,6 +104,17 @@ def _must_ok(st: np.ndarray, what: str) -> None:
         raise RuntimeError(f"{what}: {int((st != BlockStatus.OK).sum())} block(s) not OK: {np.unique(st)}")
 
 
+def _both(store: Store, r: int, fn: Callable[[], float]) -> tuple[float, float]:
+    """``fn`` (a timed load) with verification on and off, the order alternating by round;
+    verification is left on."""
+    times: dict[bool, float] = {}
+    for on in (True, False) if r % 2 == 0 else (False, True):
+        store.set_verify(on)
+        times[on] = fn()
+    store.set_verify(True)
+    return times[True], times[False]
+
+
 def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int) -> Iterator[dict[str, Any]]:
     layout = StoreLayout(SHAPES[shape])
     nbytes = blocks * layout.shard_bytes
@@ -111,22 +138,28 @@ def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int
             ids = _ids(blocks, rng)
             t_dump, st = _timed(lambda ids=ids: store.wait(store.dump(ids, 0, src.addrs)))
             _must_ok(st, f"{spec} dump")
-            t_load, st = _timed(lambda ids=ids: store.wait(store.load(ids, 0, dst.addrs)))
-            _must_ok(st, f"{spec} load")
+
+            def load(ids: np.ndarray = ids, into: LayerBuffers = dst, what: str = "load") -> float:
+                t, st = _timed(lambda: store.wait(store.load(ids, 0, into.addrs)))
+                _must_ok(st, f"{spec} {what}")
+                return t
+
+            t_load, t_load_nv = _both(store, r, load)
             t_mem, _ = _timed(lambda: np.copyto(base_b, base_a))
-            sample = {"dump": t_dump, "load": t_load, "memcpy": t_mem}
+            sample = {"dump": t_dump, "load": t_load, "load_noverify": t_load_nv, "memcpy": t_mem}
             if dst_host is not None:
-                t_host, st = _timed(lambda ids=ids: store.wait(store.load(ids, 0, dst_host.addrs)))
-                _must_ok(st, f"{spec} load into host memory")
-                sample["load_host"] = t_host
+                sample["load_host"], sample["load_host_noverify"] = _both(
+                    store, r, lambda: load(into=dst_host, what="load into host memory")
+                )
             if r == 0 and not np.array_equal(src.sample(), dst.sample()):
                 raise RuntimeError(f"{spec}: loaded bytes differ from dumped ones")
             if spec == "cache|posix":
-                cold = _ids(blocks, rng)
-                _must_ok(store.lower.wait(store.lower.dump(cold, 0, src.addrs)), "posix dump")
-                t_miss, st = _timed(lambda cold=cold: store.wait(store.load(cold, 0, dst.addrs)))
-                _must_ok(st, f"{spec} load of misses")
-                sample["load_miss"] = t_miss
+                cold = {on: _ids(blocks, rng) for on in (True, False)}
+                for c in cold.values():
+                    _must_ok(store.lower.wait(store.lower.dump(c, 0, src.addrs)), "posix dump")
+                sample["load_miss"], sample["load_miss_noverify"] = _both(
+                    store, r, lambda cold=cold: load(cold[store.verify.value == "on"], what="load of misses")
+                )
             if posix is not None:
                 paths = posix.files.paths(ids)
                 sample["read"] = _timed(lambda paths=paths: plain_read(paths, host))[0]
@@ -141,7 +174,7 @@ def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int
         busy = meter.other_cores_busy()
         med = {k: statistics.median(v) for k, v in times.items()}
         mem_gbps = nbytes / med["memcpy"] / 1e9
-        for op in ("dump", "load", "load_miss", "load_host"):
+        for op in LOAD_OPS:
             if op not in med:
                 continue
             gbps = nbytes / med[op] / 1e9
@@ -160,6 +193,10 @@ def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int
                 "platform": plat.name,
                 "other_cores_busy": busy,
             }
+            if f"{op}_noverify" in med:
+                nv_gbps = nbytes / med[f"{op}_noverify"] / 1e9
+                row["noverify_gbps"] = round(nv_gbps, 3)
+                row["ratio_vs_noverify"] = round(gbps / nv_gbps, 3)
             # the plain file I/O a store op competes with: a posix store's own loads and
             # dumps; a pipeline's dumps and its loads of blocks only the posix tier has
             ref = {
@@ -167,7 +204,7 @@ def _store_case(ctx: BenchContext, plat: Any, spec: str, shape: str, blocks: int
                 "load": "read" if spec == "posix" else None,
                 "load_miss": "read",
                 "load_host": "read",
-            }[op]
+            }.get(op.removesuffix("_noverify"))
             if posix is not None and ref is not None:
                 ref_gbps = nbytes / med[ref] / 1e9
                 row[f"{ref}_gbps"] = round(ref_gbps, 3)

@@ -196,6 +196,9 @@ def test_a_block_that_fails_verification_below_is_not_promoted(tmp_path, plat):
     stats = p.stats()
     assert stats["cache.slots_ready"] == 3 and stats["cache.slots_filling"] == 0
     assert p.upper.lookup(ids).tolist() == [True, False, True, True]  # promoted: the good ones only
+    ready = np.flatnonzero(p.upper.table.state == 2)
+    # sealed with the digests posix computed while verifying, which are the slots' bytes' digests
+    assert np.array_equal(p.upper.table.digest[ready], p.upper.digests(ready))
     assert stats["corrupt_blocks"] == 1 and stats["posix.corrupt_blocks"] == 1
     assert stats["load_corrupt"] == 1
     p.close()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from stores import FLIP_AT, Blocks, block_bytes, plant_flip, random_ids
 
-from kvfabric.platform.checksum import SEGMENT, Verify
+from kvfabric.platform.checksum import Verify
 from kvfabric.platform.sim import SimPlatform
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
@@ -25,7 +25,7 @@ N = 4
 LAYOUTS = {
     "one-shard": (StoreLayout((4096, 1000, 77)), False),
     "one-shard-o-direct": (StoreLayout((4096, 8192)), True),  # aligned: trailer padded to 4096
-    "one-shard-many-runs": (StoreLayout((SEGMENT + 5000, 3 * SEGMENT // 2)), False),  # > 1 hashed run
+    "one-shard-large": (StoreLayout((300_000, 400_000)), False),  # larger than a core's L2
     "two-shards": (StoreLayout((3000, 1000), num_shards=2), False),
     "two-shards-aligned": (StoreLayout((4096,), num_shards=2), False),
 }
@@ -83,8 +83,6 @@ def test_flipped_bytes_in_block_files_are_never_served(tmp_path, plat, name, des
         want = block_bytes(ids, layout.shard_bytes, last)
         got = dst.read()
         assert np.array_equal(got[[0, 3]], want[[0, 3]])
-        if medium is Medium.HBM:  # checked in the bounce area: nothing reached the caller
-            assert dst.untouched(1) and dst.untouched(2)
         assert not path.exists() and not s.lookup(ids[1:3]).any()  # dropped: rewritten by the next dump
         assert s.stats()["corrupt_blocks"] == 2 and s.stats()["load_corrupt"] == 2
         assert s.wait(s.load(ids[1:3], last, dst.addrs[:2])).tolist() == [MISSING, MISSING]
@@ -94,7 +92,7 @@ def test_flipped_bytes_in_block_files_are_never_served(tmp_path, plat, name, des
         assert np.array_equal(again.read(), want[1:3])
         # negative control: with verification off the flip is served
         plant_flip(s, ids[1], shard=last)
-        s.verify = Verify.OFF
+        s.set_verify(Verify.OFF)
         assert (s.wait(s.load(ids[1:3], last, again.addrs)) == OK).all()
         assert np.flatnonzero(again.read()[0] != want[1]).tolist() == [FLIP_AT]
     finally:
@@ -116,7 +114,7 @@ def test_damaged_trailers_and_files_without_one_are_corrupt(tmp_path, plat, capl
     dst = Blocks(plat, layout, 3)
     with caplog.at_level(logging.WARNING, "kvfabric.store"):
         st = s.wait(s.load(ids, 0, dst.addrs))
-    assert (st == CORRUPT).all() and all(dst.untouched(i) for i in range(3))
+    assert (st == CORRUPT).all() and dst.untouched(2)  # a file of the wrong size is not even read
     assert not any(p.exists() for p in paths) and s.stats()["corrupt_blocks"] == 3
     assert caplog.text.count("failed checksum verification") == 1  # logged once, then counted
     dump_shards(s, plat, ids, layout)

@@ -19,7 +19,6 @@ from stores import (
     build_store,
     plant_flip,
     random_ids,
-    set_verify,
     stop_pool_daemons,
 )
 
@@ -197,7 +196,7 @@ def test_same_size_corruption_is_never_served(store_spec, tmp_path, plat, site):
         ids2 = random_ids(2, 21)
         _dump_to(s, site, ids2, plat)
         plant_flip(planted, ids2[0])
-        set_verify(s, "off")
+        s.set_verify("off")
         out = Blocks(plat, LAYOUT, 2)
         assert load_all(s, ids2, out).tolist() == [OK, OK]
         got, want = out.read(), block_bytes(ids2, LAYOUT.shard_bytes)

@@ -172,21 +172,6 @@ def plant_flip(store: Store, block_id: np.ndarray, shard: int = 0, at: int = FLI
     byte.value ^= 0xFF
 
 
-def set_verify(store: Store, verify: object) -> None:
-    """Switch checksum verification of every tier of ``store`` (a benchmark or a test's
-    negative control: with it off, a planted flip must be served)."""
-    from kvfabric.platform.checksum import Verify
-
-    v = Verify.parse(verify)
-    for t in (store, getattr(store, "upper", None), getattr(store, "lower", None)):
-        if t is None or t.name not in ("posix", "cache", "pool"):
-            continue
-        if t.name == "pool":
-            t.client.verify = v  # type: ignore[attr-defined]
-        else:
-            t.verify = v  # type: ignore[attr-defined]
-
-
 # ---------------------------------------------------------------------------- block data
 def block_bytes(ids: np.ndarray, nbytes: int, salt: int = 0) -> np.ndarray:
     """``(n, nbytes)`` contents derived from each id, so any block can be verified alone."""

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvfabric.platform.checksum import Verify
 from kvfabric.platform.stream import Event
 
 if TYPE_CHECKING:
@@ -231,6 +232,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def cancel(self, task: Task) -> None: ...
+
+    def set_verify(self, verify: Verify | str | bool) -> None:
+        """Switch whether loads check the writers' checksums (``on`` / ``off``; for benchmarks
+        and negative controls, between tasks). The default: nothing is kept to verify."""
 
     def stats(self) -> dict[str, int]:
         """Counters since start (blocks and bytes loaded / dumped / missed / failed ...)."""

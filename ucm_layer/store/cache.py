@@ -39,7 +39,7 @@ from kvfabric.platform import shm
 from kvfabric.platform.base import Platform
 from kvfabric.platform.checksum import Verify, digest_range
 from kvfabric.platform.stream import Stream
-from kvfabric.platform.types import CopyBatch, Medium
+from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.cache_index import Claim, Claims, SlotTable, keys_of
 from kvfabric.ucm_layer.store.common import Request, TaskStore
@@ -126,7 +126,6 @@ class CacheStore(TaskStore):
             self.buffer.numpy()[::4096] = 0
         self.table = SlotTable(slots)
         self._offsets, self._sizes = layout.offsets, layout.sizes
-        #: whether loads check checksums (may be switched between tasks, e.g. by a benchmark)
         self.verify = config.verify
         self.workers = Workers(platform, config.workers, "kvfabric-cache")
 
@@ -150,29 +149,30 @@ class CacheStore(TaskStore):
         ``verify``, each slot is hashed while the copy runs. Returns the ``(k,)`` mask of
         slots whose bytes do not match their recorded digest (all False without verify).
         Raises ``KVFabricError`` when the copy fails."""
-        bad = np.zeros(len(slots), bool)
-        if not len(slots):
-            return bad
-        batch = CopyBatch(
-            addrs.reshape(-1), self.slot_addrs(slots).reshape(-1), self._sizes_for(len(slots)).reshape(-1)
+        bad = copy_pieces(
+            self.platform,
+            stream,
+            addrs,
+            self.slot_addrs(slots),
+            self._sizes_for(len(slots)),
+            (lambda: self.digests(slots) != self.table.digest[slots]) if verify and len(slots) else None,
         )
-        self.platform.batch_copy(batch, stream=stream)
-        try:
-            if verify:
-                bad = self.digests(slots) != self.table.digest[slots]
-        finally:
-            stream.synchronize()
-        return bad
+        return np.zeros(len(slots), bool) if bad is None else bad
 
     def digests(self, slots: np.ndarray) -> np.ndarray:
         """The digests of the bytes now in ``slots``."""
         base, step, n = self.buffer.ptr, self.slot_bytes, self.layout.shard_bytes
         return np.fromiter((digest_range(base + s * step, n) for s in slots.tolist()), np.uint64, len(slots))
 
-    def seal(self, slots: np.ndarray) -> None:
-        """Record the digests of ``slots`` (FILLING, owned by the caller) before publishing."""
-        if len(slots):
-            self.table.digest[slots] = self.digests(slots)
+    def seal(self, slots: np.ndarray, known: np.ndarray | None = None) -> None:
+        """Record the digests of ``slots`` (FILLING, owned by the caller) before publishing;
+        ``known``: digests already computed over exactly these bytes (0 where not)."""
+        if not len(slots):
+            return
+        if known is None or not known.all():
+            fresh = self.digests(slots)
+            known = fresh if known is None else np.where(known != 0, known, fresh)
+        self.table.digest[slots] = known
 
     def drop(self, slots: np.ndarray) -> None:
         """``slots`` (pinned by the caller) failed verification: out of the index, counted."""

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvfabric.platform.base import Platform
+from kvfabric.platform.checksum import Verify
 from kvfabric.platform.stream import Event
 from kvfabric.ucm_layer.store.base import (
     BlockStatus,
@@ -80,6 +81,8 @@ class TaskStore(Store):
         self._live: weakref.WeakSet[StoreTask] = weakref.WeakSet()
         self._corrupt = 0
         self._corrupt_logged = False
+        #: whether loads check the writers' checksums (the store's ``verify`` key; see set_verify)
+        self.verify = Verify.ON
 
     # ------------------------------------------------------------------ checks
     def _check_open(self) -> None:
@@ -112,6 +115,11 @@ class TaskStore(Store):
         for task in list(self._live):
             if not task.wait_finished(max(0.0, deadline - time.monotonic())):
                 task.cancel(BlockStatus.CANCELLED)
+
+    def set_verify(self, verify: Verify | str | bool) -> None:
+        """Switch checksum verification of loads (for benchmarks and tests: between tasks; a
+        load already queued may run under either setting). Writers always seal."""
+        self.verify = Verify.parse(verify)
 
     def _corrupt_found(self, count: int, where: str) -> None:
         """``count`` blocks failed verification here (``where`` names one, for the log):

@@ -141,7 +141,9 @@ class Pipeline(TaskStore):
             sub = self.lower.load(ids[lead], shard, self.upper.slot_addrs(slots))
             task.adopt(self.lower, sub)
             st = self.lower.wait(sub)
-            self.upper.seal(slots[st == OK])  # only verified bytes are promoted, then sealed
+            good = st == OK  # only verified bytes are promoted, sealed with the digest the lower
+            known = getattr(sub, "digests", None)  # store found, when it checked them on the host
+            self.upper.seal(slots[good], None if known is None else known[good])
         finally:
             self.upper.table.publish(slots, st == OK, pinned=c.slots[own])
         rows_st = _by_slot(slots, st, c.slots[own])
@@ -308,6 +310,12 @@ class Pipeline(TaskStore):
             log.warning(
                 "pipeline %s: %d block(s) written behind failed in %s", self.name, failed, self.lower.name
             )
+
+    def set_verify(self, verify: Verify | str | bool) -> None:
+        """Both tiers (see ``TaskStore.set_verify``)."""
+        super().set_verify(verify)
+        self.upper.set_verify(verify)
+        self.lower.set_verify(verify)
 
     # ------------------------------------------------------------------ lifecycle
     def stats(self) -> dict[str, int]:

@@ -32,6 +32,7 @@ import numpy as np
 
 from kvfabric.errors import KVFabricError, ServiceUnavailable
 from kvfabric.platform.base import Platform
+from kvfabric.platform.checksum import Verify
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.common import Request, TaskStore
 from kvfabric.ucm_layer.store.config import Key, as_float, as_int, as_size, as_verify, parse_keys
@@ -105,6 +106,7 @@ class PoolStore(TaskStore):
         self.config = config
         self._embedded: Any = None
         self.client = self._connect(config, platform)
+        self.verify = getattr(self.client, "verify", Verify.ON)
         self._sizes = layout.sizes
         self._warned = False
         self.workers = Workers(platform, config.workers, "kvfabric-poolstore")
@@ -212,6 +214,11 @@ class PoolStore(TaskStore):
                     continue
             good = (st == _OK) | (st == _EXISTS)
             task.set(sl, np.where(good, BlockStatus.OK, BlockStatus.FAILED).astype(np.int8))
+
+    def set_verify(self, verify: Verify | str | bool) -> None:
+        """The pool client's read check (see ``TaskStore.set_verify``)."""
+        super().set_verify(verify)
+        self.client.verify = self.verify
 
     def close(self) -> None:
         if self._closed:

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvfabric.errors import KVFabricError
 from kvfabric.platform.base import Platform
-from kvfabric.platform.checksum import Hasher, Verify, digest_range, segments
+from kvfabric.platform.checksum import Verify, digest_range, digest_ranges
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout, TaskKind
 from kvfabric.ucm_layer.store.common import Request, TaskStore
@@ -61,7 +61,6 @@ from kvfabric.ucm_layer.store.posix_files import (
     FileIO,
     PartWriter,
     pack_trailer,
-    same_file,
     trailer_bytes,
     trailer_digest,
     write_single,
@@ -160,7 +159,6 @@ class PosixStore(TaskStore):
         self.data_bytes = layout.num_shards * self.stride
         self.trailer_bytes = trailer_bytes(layout.num_shards, self.stride)
         self.file_bytes = self.data_bytes + self.trailer_bytes
-        #: whether loads check checksums (may be switched between tasks, e.g. by a benchmark)
         self.verify = config.verify
         self.direct = bool(config.direct and self.stride % ALIGN == 0 and _probe_direct(self.files.dirs))
         # a bounce slot: the shard, then room for the trailer (aligned when the shard is)
@@ -248,105 +246,107 @@ class PosixStore(TaskStore):
         return bool(req.n) and not self.direct and not req.media.any()
 
     def _read(
-        self, path: str, views: list[memoryview], offset: int, direct: bool, trailer: memoryview, shard: int
-    ) -> BlockStatus:
-        """Shard bytes of ``path`` at ``offset`` into ``views``; with verify, checked against
-        the trailer (read into ``trailer``, ``trailer_bytes`` long, aligned for O_DIRECT)."""
+        self, path: str, views: list[memoryview], offset: int, direct: bool, trailer: memoryview | None
+    ) -> tuple[BlockStatus, tuple[int, int]]:
+        """Shard bytes of ``path`` at ``offset`` into ``views`` and, unless ``trailer`` is None
+        (verify off), the file's trailer into ``trailer`` (``trailer_bytes``, aligned for
+        O_DIRECT; read by the same ``preadv`` when it follows the shard). Returns the status
+        and the file's (device, inode), for :meth:`_drop`. A file of the wrong size is dropped
+        here (``CORRUPT``); checking the digest is the caller's."""
         try:
             fd = self.io.open_read(path, direct)
         except FileNotFoundError:
-            return MISSING
+            return MISSING, (0, 0)
         except OSError as e:
             self._warn("open", "posix store: cannot open %s: %s", path, e)
-            return FAILED
+            return FAILED, (0, 0)
         try:
-            size = os.fstat(fd).st_size
-            if size != self.file_bytes:
-                return self._drop(fd, path, f"{path} has {size} B, expected {self.file_bytes}")
-            if self.verify is Verify.ON:
-                if not self._read_verified(fd, views, offset, trailer, shard):
-                    return self._drop(fd, path, f"{path} (shard {shard})")
+            st = os.fstat(fd)
+            ident = (st.st_dev, st.st_ino)
+            if st.st_size != self.file_bytes:
+                return self._drop(
+                    path, ident, f"{path} has {st.st_size} B, expected {self.file_bytes}"
+                ), ident
+            if trailer is not None and self.layout.num_shards == 1:
+                self.io.read_scatter(fd, [*views, trailer], offset)
             else:
-                self._fill(fd, views, offset)
+                if len(views) == 1:
+                    self.io.read_into(fd, views[0], offset)
+                else:
+                    self.io.read_scatter(fd, views, offset)
+                if trailer is not None:
+                    self.io.read_into(fd, trailer, self.data_bytes)
             if self.config.touch:
                 self.io.touch(fd)
-            return OK
+            return OK, ident
         except OSError as e:
             self._warn("read", "posix store: reading %s failed: %s", path, e)
-            return FAILED
+            return FAILED, (0, 0)
         finally:
             self.io.close(fd)
 
-    def _fill(self, fd: int, views: list[memoryview], offset: int) -> None:
-        if len(views) == 1:
-            self.io.read_into(fd, views[0], offset)
-        else:
-            self.io.read_scatter(fd, views, offset)
-
-    def _read_verified(
-        self, fd: int, views: list[memoryview], offset: int, trailer: memoryview, shard: int
-    ) -> bool:
-        """Read in runs of ``SEGMENT`` bytes, hashing each run while it is in cache; the
-        trailer comes with the last run when it follows the shard (one shard per block)."""
-        h = Hasher()
-        runs = segments(views)
-        joined = self.layout.num_shards == 1
-        pos = offset
-        for k, run in enumerate(runs):
-            self._fill(fd, [*run, trailer] if joined and k == len(runs) - 1 else run, pos)
-            for v in run:
-                h.update(v)
-                pos += len(v)
-        if not joined:
-            self.io.read_into(fd, trailer, self.data_bytes)
-        return h.digest() == trailer_digest(trailer, shard)
-
-    def _drop(self, fd: int, path: str, what: str) -> BlockStatus:
+    def _drop(self, path: str, ident: tuple[int, int], what: str) -> BlockStatus:
         """A block file that failed verification: remove it (unless it was replaced since it
-        was opened) so the next dump writes it again; count and report it."""
+        was read) so the next dump writes it again; count and report it."""
         try:
-            if same_file(fd, path):
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == ident:
                 self.io.unlink(path)
+        except FileNotFoundError:
+            pass
         except OSError as e:
             self._warn("drop", "posix store: cannot remove corrupt block file %s: %s", path, e)
         self._corrupt_found(1, what)
         return CORRUPT
 
-    def _trailer_buf(self) -> memoryview:
-        return memoryview(bytearray(self.trailer_bytes))
+    def _trailer_buf(self) -> memoryview | None:
+        return memoryview(bytearray(self.trailer_bytes)) if self.verify is Verify.ON else None
+
+    def _checked(
+        self,
+        st: BlockStatus,
+        got: int,
+        trailer: memoryview | None,
+        shard: int,
+        path: str,
+        ident: tuple[int, int],
+    ) -> BlockStatus:
+        """``st`` of a read whose shard bytes digest to ``got``, against its trailer."""
+        if st is not OK or trailer is None or got == trailer_digest(trailer, shard):
+            return st
+        return self._drop(path, ident, f"{path} (shard {shard})")
 
     def _load_chunk(self, ctx: WorkerContext, sl: slice, task: StoreTask, req: Request, host: bool) -> None:
         paths = self.files.paths(req.ids[sl])
         offset = req.shard * self.stride
-        if host:  # straight into the caller's host memory
-            for j, path in enumerate(paths):
-                with task.guard() as ok:
-                    if not ok:
-                        return
-                    view = host_view(int(req.addrs[sl.start + j, 0]), self.stride)
-                    st = self._read(path, [view], offset, False, self._trailer_buf(), req.shard)
-                    task.set(sl.start + j, st)
-            return
-        if self._scatter_ok(req):  # host pieces: one preadv per block, no bounce, no extra copy
+        sizes = self._sizes.tolist()
+        if host or self._scatter_ok(req):  # straight into the caller's host memory, no bounce
             for j, path in enumerate(paths):
                 with task.guard() as ok:
                     if not ok:
                         return
                     row = req.addrs[sl.start + j].tolist()
-                    views = [host_view(a, n) for a, n in zip(row, self._sizes.tolist())]
-                    task.set(
-                        sl.start + j, self._read(path, views, offset, False, self._trailer_buf(), req.shard)
-                    )
+                    # one contiguous shard, or host pieces (one preadv per block, no extra copy)
+                    ranges = [(int(row[0]), self.stride)] if host else list(zip(row, sizes))
+                    trailer = self._trailer_buf()
+                    st, ident = self._read(path, [host_view(a, n) for a, n in ranges], offset, False, trailer)
+                    got = digest_ranges(ranges) if st is OK and trailer is not None else 0
+                    st = self._checked(st, got, trailer, req.shard, path, ident)
+                    task.set(sl.start + j, st)
+                    if st is OK and got:
+                        task.record_digest(sl.start + j, got)
             return
         bounce = ctx.scratch.numpy()
+        verify = self.verify is Verify.ON
         got = np.zeros(len(paths), bool)
+        idents: list[tuple[int, int]] = [(0, 0)] * len(paths)
         for j, path in enumerate(paths):
             if task.cancelled is not None:
                 return
             base = j * self.slot_bytes
             view = memoryview(bounce[base : base + self.stride])
             trailer = memoryview(bounce[base + self.stride : base + self.stride + self.trailer_bytes])
-            st = self._read(path, [view], offset, self.direct, trailer, req.shard)
+            st, idents[j] = self._read(path, [view], offset, self.direct, trailer if verify else None)
             if st is OK:
                 got[j] = True
             else:
@@ -354,17 +354,35 @@ class PosixStore(TaskStore):
         idx = np.flatnonzero(got)
         if not idx.size:
             return
-        src = slot_pieces(ctx.scratch.ptr + idx.astype(np.uint64) * self.slot_bytes, self._offsets)
+        bases = ctx.scratch.ptr + idx.astype(np.uint64) * self.slot_bytes
+        src = slot_pieces(bases, self._offsets)
         with task.guard() as ok:
             if not ok:
                 return
-            try:
-                copy_pieces(self.platform, ctx.stream, req.addrs[sl][idx], src, self._piece_sizes(idx.size))
+            try:  # hashed on the host while the copy to the caller runs (a DMA on a device)
+                digests = (
+                    copy_pieces(
+                        self.platform,
+                        ctx.stream,
+                        req.addrs[sl][idx],
+                        src,
+                        self._piece_sizes(idx.size),
+                        lambda: [digest_range(int(b), self.stride) for b in bases.tolist()] if verify else [],
+                    )
+                    or []
+                )
             except KVFabricError as e:
                 self._warn("copy", "posix store: copy into the caller's buffers failed: %s", e)
                 task.set(sl.start + idx, FAILED)
                 return
-            task.set(sl.start + idx, OK)
+            for q, j in enumerate(idx.tolist()):
+                if verify:
+                    base = j * self.slot_bytes + self.stride
+                    trailer = memoryview(bounce[base : base + self.trailer_bytes])
+                    st = self._checked(OK, digests[q], trailer, req.shard, paths[j], idents[j])
+                else:
+                    st = OK
+                task.set(sl.start + j, st)
 
     def _piece_sizes(self, k: int) -> np.ndarray:
         return np.broadcast_to(self._sizes, (k, self.layout.pieces))

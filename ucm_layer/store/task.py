@@ -55,6 +55,8 @@ class StoreTask(Task):
         self._consumed = False
         self._children: list[tuple[Any, Task]] = []
         self._on_done: list[Callable[[StoreTask], None]] = []
+        #: per-block digests of verified loads into host memory (see ``record_digest``)
+        self.digests: np.ndarray | None = None
 
     # ------------------------------------------------------------------ jobs
     def add_job(self) -> None:
@@ -109,6 +111,14 @@ class StoreTask(Task):
     def set(self, where: Any, status: BlockStatus | np.ndarray) -> None:
         """Set the status of blocks ``where`` (an index, slice, mask or index array)."""
         self.status[where] = status
+
+    def record_digest(self, i: int, digest: int) -> None:
+        """Block ``i`` was verified on the host and its bytes, now in the caller's memory,
+        digest to ``digest``: a pipeline filling a cache slot seals it with this instead of
+        hashing the slot again. ``digests`` stays None until a store records one."""
+        if self.digests is None:
+            self.digests = np.zeros(self.num_blocks, np.uint64)
+        self.digests[i] = digest
 
     def fail_pending(self, where: Any = slice(None)) -> None:
         """Blocks of ``where`` that are still pending become ``FAILED`` (an unexpected error)."""

@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from kvfabric.ucm_layer.store.task import StoreTask
 
 log = logging.getLogger("kvfabric.store")
 
+T = TypeVar("T")
 AFTER_POLL_S = 0.05  # how often a job waiting on ``after`` looks at its task's cancel flag
 
 
@@ -181,14 +182,25 @@ def dump_may_start(after: Event | None, task: StoreTask, stream: Stream, sl: sli
 
 
 def copy_pieces(
-    platform: Platform, stream: Stream, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray
-) -> None:
+    platform: Platform,
+    stream: Stream,
+    dst: np.ndarray,
+    src: np.ndarray,
+    sizes: np.ndarray,
+    during: Callable[[], T] | None = None,
+) -> T | None:
     """One batched copy of ``(dst, src, sizes)`` (arrays of equal shape) on ``stream``, then
-    wait for it. Raises ``KVFabricError`` (``TransferFailed`` ...) when the copy fails."""
-    if dst.size == 0:
-        return
-    platform.batch_copy(CopyBatch(dst.reshape(-1), src.reshape(-1), sizes.reshape(-1)), stream=stream)
-    stream.synchronize()
+    wait for it. ``during`` runs while the copy is in flight (checksums of the source on the
+    host then overlap the copy engine, or the sim platform's stream thread) and its result
+    is returned; the copy is waited for even when it raises. Raises ``KVFabricError``
+    (``TransferFailed`` ...) when the copy fails."""
+    if dst.size:
+        platform.batch_copy(CopyBatch(dst.reshape(-1), src.reshape(-1), sizes.reshape(-1)), stream=stream)
+    try:
+        return during() if during is not None else None
+    finally:
+        if dst.size:
+            stream.synchronize()
 
 
 def slot_pieces(bases: np.ndarray, offsets: np.ndarray) -> np.ndarray:
