@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvfabric.errors import OutOfSpace
+from kvfabric.platform import shm
 from kvfabric.pool.table import SlotState
 
 if TYPE_CHECKING:
@@ -64,14 +65,11 @@ class Fence:
     tomb: bytes  # the tombstone slot's key ("" when the table had no room for it)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _writer_gone(f: Fence, now: float) -> bool:
+    """A writer on this node is gone with its process; one it cannot watch, after the grace."""
+    if f.pid == 0:
+        return f.deadline < now
+    return f.pid != os.getpid() and not shm.process_alive(f.pid)
 
 
 class WriteFence:
@@ -159,10 +157,7 @@ class WriteFence:
     def sweep(self, now: float) -> None:
         """Release fences whose writer is gone or, when it cannot be watched, whose grace ran out."""
         for gva, f in list(self.fences.items()):
-            watched = f.pid != 0
-            if (watched and f.pid != os.getpid() and not pid_alive(f.pid)) or (
-                not watched and f.deadline < now
-            ):
+            if _writer_gone(f, now):
                 self._release(gva)
         self._adopted = [a for a in self._adopted if a[2] >= now]
 
