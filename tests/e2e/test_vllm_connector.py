@@ -90,6 +90,34 @@ def test_same_prompt_twice_loads_through_kvfabric(tiny_model, tmp_path, extra):
         eng.close()
 
 
+def test_blocks_stored_with_the_delegator_on_load_with_it_off(tiny_model, tmp_path):
+    """The Delegator switch is not in the block ids and does not change the stored bytes:
+    an engine with it off loads (and generates the same tokens from) what one with it on
+    stored."""
+    prompt = _prompt(5, 512)
+    on = make_engine(
+        tiny_model, kvfabric_transfer_config("posix", tmp_path, delegator=True), kv_bytes=64 << 20
+    )
+    try:
+        ref = on.generate([prompt], 12)
+        on.flush()
+        assert on.worker().delegator.enabled
+    finally:
+        on.close()
+    off = make_engine(
+        tiny_model, kvfabric_transfer_config("posix", tmp_path, delegator=False), kv_bytes=64 << 20
+    )
+    try:
+        got = off.generate([prompt], 12)
+        worker, _ = _totals(off)
+        assert not off.worker().delegator.enabled
+        assert got == ref
+        assert worker["loaded_blocks"] == (PROMPT_LEN - 1) // BLOCK_SIZE
+        assert worker["load_failed_blocks"] == 0
+    finally:
+        off.close()
+
+
 def test_smollm2_same_prompt_twice(smol_model, tmp_path):
     from transformers import AutoTokenizer
 
