@@ -1,8 +1,8 @@
 """kvfabric's connector inside a real vLLM engine (CPU build), greedy sampling.
 
 The scenarios: the same prompt twice with vLLM's own prefix cache off (the second run
-loads its prefix through kvfabric and generates the same tokens); two engine processes
-sharing one store; a store whose data went bad between runs (recompute, same tokens,
+loads its prefix through kvfabric and generates the same tokens); blocks stored with the
+Delegator on loading with it off; two engine processes sharing one store; a store whose data went bad between runs (recompute, same tokens,
 one warning); same-size noise over every block's bytes between runs (the checksums catch
 it: the blocks fail as ``CORRUPT``, are counted, and the tokens are the cold run's); and
 a negative control (the same noise with verification off changes the tokens, so the
