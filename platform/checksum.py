@@ -80,4 +80,14 @@ def digest_range(ptr: int, nbytes: int) -> int:
     return _seal(xxhash.xxh3_64_intdigest(view(int(ptr), int(nbytes))))
 
 
-__all__ = ["NONE", "Verify", "digest_bytes", "digest_range", "digest_ranges", "view"]
+def digest_views(views: Iterable[bytes | bytearray | memoryview]) -> int:
+    """The sealed digest of buffers concatenated in order: :func:`digest_ranges` for callers
+    that already hold views of the memory (a reader's ``preadv`` buffers), without building
+    a view per range again (about 2 µs each: 100 µs for a block of 56 pieces)."""
+    h = xxhash.xxh3_64()
+    for v in views:
+        h.update(v)
+    return _seal(h.intdigest())
+
+
+__all__ = ["NONE", "Verify", "digest_bytes", "digest_range", "digest_ranges", "digest_views", "view"]

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvfabric.errors import KVFabricError
 from kvfabric.platform.base import Platform
-from kvfabric.platform.checksum import Verify, digest_range, digest_ranges
+from kvfabric.platform.checksum import Verify, digest_range, digest_views
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout, TaskKind
 from kvfabric.ucm_layer.store.common import Request, TaskStore
@@ -329,8 +329,9 @@ class PosixStore(TaskStore):
                     # one contiguous shard, or host pieces (one preadv per block, no extra copy)
                     ranges = [(int(row[0]), self.stride)] if host else list(zip(row, sizes))
                     trailer = self._trailer_buf()
-                    st, ident = self._read(path, [host_view(a, n) for a, n in ranges], offset, False, trailer)
-                    got = digest_ranges(ranges) if st is OK and trailer is not None else 0
+                    views = [host_view(a, n) for a, n in ranges]
+                    st, ident = self._read(path, views, offset, False, trailer)
+                    got = digest_views(views) if st is OK and trailer is not None else 0
                     st = self._checked(st, got, trailer, req.shard, path, ident)
                     task.set(sl.start + j, st)
                     if st is OK and got:
