@@ -3,8 +3,10 @@
 It keeps the bytes of each (block id, shard) in a dict, moves them with ctypes from and
 to the caller's addresses on a background thread (so tasks really are asynchronous and
 ``after`` events really are waited for), counts the pieces it copied, and can be told
-to fail loads (``fail_loads``: all of them; ``fail_next_loads``: the next N blocks) or to
-stop answering (``down``), as a backing service would. Given a platform, it checks the
+to fail loads (``fail_loads``: all of them; ``fail_next_loads``: the next N blocks), to
+report the next N loaded blocks ``CORRUPT`` (``corrupt_next_loads``: their destination gets
+the bytes with one byte flipped, as a store whose check overlaps the copy may leave it) or
+to stop answering (``down``), as a backing service would. Given a platform, it checks the
 caller's addresses against the platform's live buffers before queueing anything.
 """
 
@@ -46,6 +48,7 @@ class MemStore(Store):
         self.pieces_copied = 0
         self.fail_loads = False
         self.fail_next_loads = 0
+        self.corrupt_next_loads = 0
         self.down = False
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="memstore")
@@ -87,6 +90,12 @@ class MemStore(Store):
             if blob is None:
                 out[i] = BlockStatus.MISSING
                 continue
+            with self._lock:
+                corrupt = self.corrupt_next_loads > 0
+                self.corrupt_next_loads = max(0, self.corrupt_next_loads - 1)
+            if corrupt:
+                blob = bytes([blob[0] ^ 0xFF]) + blob[1:]
+                out[i] = BlockStatus.CORRUPT
             off = 0
             for a, n in zip(addrs[i], sizes):
                 ctypes.memmove(int(a), blob[off : off + n], n)
