@@ -4,10 +4,13 @@
   niceness as the tests) and, on exit, kills each one by its pid and reaps it, also when
   the body raised. A hog also ends by itself when its parent is gone or after
   ``lifetime`` seconds, so a test run killed with -9 leaves no busy loop behind.
-* ``hold_gil(seconds)``: hold this interpreter's GIL for about ``seconds`` (that much CPU
-  work at the best speed measured here, so more wall time on a loaded machine) in one C call:
-  the builtin ``sum`` over a ``range`` never releases the GIL, so no other thread of the
-  process (heartbeat, reader, monitor) runs meanwhile. Returns the wall seconds held.
+* ``hold_gil(seconds, busy=True)``: hold this interpreter's GIL in one C call, so no other
+  thread of the process (heartbeat, reader, monitor) runs meanwhile. ``busy``: on a CPU,
+  the builtin ``sum`` over a ``range`` (it never releases the GIL), sized to ``seconds`` of
+  work at the best speed measured here, so about that long or more on a loaded machine;
+  otherwise blocked in the kernel, ``nanosleep`` called through ``ctypes.PyDLL`` (which
+  keeps the GIL), exactly ``seconds``, as an extension waiting on a device with the GIL
+  held would. Returns the wall seconds held.
 * ``busy_python(seconds)``: a pure-Python loop for ``seconds`` (the GIL changes hands
   every switch interval); returns the iterations done.
 * ``background_hog_from_env()``: what ``tests/sim/conftest.py`` wraps the sim tier in:
@@ -18,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import subprocess
 import sys
@@ -32,7 +36,7 @@ while os.getppid() == parent and time.monotonic() < end:
         pass
 """
 
-_CHUNK = 2_000_000  # sum(range(_CHUNK)) takes a few ms: the calibration unit of hold_gil
+_CHUNK = 1_000_000  # sum(range(_CHUNK)) takes a millisecond or two: the calibration unit of hold_gil
 _MAX_TERMS = 4_000_000_000  # sum(range(n)) stays a machine-word sum (fast path, no release) below this
 
 
@@ -82,10 +86,19 @@ class CpuHog:
         self.procs.clear()
 
 
-def hold_gil(seconds: float) -> float:
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def hold_gil(seconds: float, busy: bool = True) -> float:
     """Hold the GIL for about ``seconds`` in one C call (see module docstring)."""
+    if not busy:
+        ts = _Timespec(int(seconds), int((seconds % 1) * 1e9))
+        t0 = time.monotonic()
+        ctypes.PyDLL(None).nanosleep(ctypes.byref(ts), None)
+        return time.monotonic() - t0
     runs = []
-    for _ in range(3):  # the fastest of three: a slow one was interrupted, not the true cost
+    for _ in range(10):  # the fastest run is the true cost: slower ones were preempted
         t0 = time.perf_counter()
         sum(range(_CHUNK))
         runs.append(time.perf_counter() - t0)
