@@ -17,8 +17,8 @@ def test_bench_rpc_small_run(isolated_shm):
     for r, (_case, clients, busy) in zip(rows, CONDITIONS):
         for k in ("put_p50_us_spin", "put_p50_us_nospin", "rpc_p50_us_spin", "rpc_p50_us_nospin"):
             assert r[k] > 0
-        assert r["ratio_nospin_over_spin"] == pytest.approx(
-            r["put_p50_us_nospin"] / r["put_p50_us_spin"], rel=0.02
+        assert r["ratio_nospin_over_spin"] == pytest.approx(  # the ratio is rounded to 0.01
+            r["put_p50_us_nospin"] / r["put_p50_us_spin"], rel=0.02, abs=0.006
         )
         d = r["detail"]
         assert (d["clients"], d["other_core_busy"], d["puts"], d["rounds"]) == (clients, busy, 64, 1)
