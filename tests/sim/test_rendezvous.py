@@ -15,6 +15,7 @@ from kvfabric.errors import KeyNotFound, ServiceUnavailable
 from kvfabric.pool.gva.rendezvous import connect
 from kvfabric.pool.gva.rendezvous.base import Compacted
 from kvfabric.pool.gva.rendezvous.collectives import Group
+from kvfabric.pool.gva.rendezvous.etcd import EtcdStore
 from kvfabric.pool.gva.rendezvous.server import RendezvousServer
 
 TTL = 4.0  # roomy: a loaded 2-core machine can delay a heartbeat thread by seconds
@@ -188,7 +189,8 @@ def test_unix_socket_server(tmp_path):
 
 
 def test_a_hung_process_loses_its_session_after_the_ttl():
-    """SIGSTOP: the socket stays open, the heartbeats stop; the server drops the session."""
+    """SIGSTOP: the socket stays open, the heartbeats stop; after ttl the server probes, after
+    the grace it finds the process stopped in /proc and drops the session."""
     import os
     import signal
 
@@ -213,3 +215,40 @@ def test_a_hung_process_loses_its_session_after_the_ttl():
         finally:
             proc.kill()
             proc.wait()
+
+
+class _FlakyLease(EtcdStore):
+    """A real etcd client whose next ``fail`` lease keep-alives fail as a slow request would."""
+
+    fail = 0
+
+    def _post(self, path, body):
+        if path == "/v3/lease/keepalive" and self.fail > 0:
+            self.fail -= 1
+            raise ServiceUnavailable(f"etcd at {self.url}: {path} failed: timed out (planted)")
+        return super()._post(path, body)
+
+
+def test_a_failed_etcd_keepalive_is_retried_not_a_lost_session():
+    if etcd_binary() is None:
+        pytest.skip("etcd binary not found: install Debian's etcd-server (.ci/run does)")
+    with etcd_server() as u, _client(u) as watcher:
+        s = _FlakyLease(u, ttl=TTL)
+        try:
+            s.set("flaky/k", b"1", ephemeral=True)
+            s.fail = 3  # three in a row: well inside the ttl with retries every 0.4 s
+            deadline = time.monotonic() + 30
+            while s.fail and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert s.fail == 0, "the keep-alive thread stopped after a failure"
+            time.sleep(TTL / 2)  # renewals after the failures carry the lease on
+            assert not s.session_lost and watcher.try_get("flaky/k") is not None
+            s.fail = 10**9  # now none succeeds: lost once the lease can have expired
+            deadline = time.monotonic() + 30
+            while not s.session_lost and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(ServiceUnavailable, match="keep-alive failed"):
+                s.set("flaky/after", b"1")
+        finally:
+            s.fail = 0
+            s.close()
