@@ -128,3 +128,22 @@ def test_accepting_more_than_the_lookup_found_is_an_error(side):
     s.num_new_matched_tokens(r, 0)
     with pytest.raises(ValueError, match="external tokens"):
         s.after_alloc(r, [1, 2, 3], BS)
+
+
+def test_a_failed_load_sets_the_stored_watermark_back_so_the_recompute_is_dumped(side):
+    s, store = side
+    ids = _ids_from_hashes([f"g-{i}".encode() for i in range(4)], None)
+    store.add(ids)
+    r = _req("g1", 18)  # 4 full blocks in the store, 2 tokens beyond
+    assert s.num_new_matched_tokens(r, 0) == 4 * BS
+    s.after_alloc(r, [30, 31, 32, 33, 34], 4 * BS)
+    plan = s.build_plan([NewReq("g1", [30, 31, 32, 33, 34], 4 * BS)], [], {"g1": 2})
+    assert [list(t.blocks) for t in plan.loads] == [[30, 31, 32, 33]] and not plan.dumps
+    # the load of engine block 32 failed: vLLM recomputes from block 2 on
+    assert s.load_failed({32, 999}) == 2
+    assert s.stats.totals["repair_blocks"] == 2
+    plan = s.build_plan([], [CachedReq("g1", None, False, 2 * BS)], {"g1": 18 - 2 * BS})
+    assert not plan.loads
+    assert [list(t.blocks) for t in plan.dumps] == [[32, 33]]
+    assert np.array_equal(plan.dumps[0].ids, ids[2:4])  # the same blocks, under the same ids
+    assert s.load_failed(set()) == 0 and s.load_failed({77}) == 0  # nothing of ours: no change

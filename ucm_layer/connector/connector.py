@@ -305,6 +305,12 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         )
         return KVFabricMetadata(plan)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """After each step with worker output: blocks whose load failed (the union over
+        workers) are set back in their requests, so vLLM's recompute dumps them again."""
+        if self.scheduler is not None:
+            self.scheduler.load_failed(getattr(connector_output, "invalid_block_ids", None) or ())
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is None:
             return False, None

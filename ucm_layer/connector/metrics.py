@@ -8,7 +8,9 @@ adds the workers' windows to the scheduler's (``merge``), and logs ``reduce``'s 
 Counters: ``lookups``, ``requested_tokens``, ``hit_tokens`` (local + external prefix
 the lookups saw), ``external_hit_tokens`` (what kvfabric adds), ``loaded_blocks``,
 ``loaded_bytes``, ``load_failed_blocks``, ``saved_blocks``, ``saved_bytes``,
-``save_failed_blocks``; latency samples ``load_s`` and ``save_s`` (seconds per batch).
+``save_failed_blocks``, ``repair_blocks`` (blocks the scheduler plans to dump again
+because a load of them, or of a block before them, failed; see ``scheduler.py``);
+latency samples ``load_s`` and ``save_s`` (seconds per batch).
 Every failed block is also counted under its reason, ``load_failed_<reason>``: the
 store's per-block status in lower case (``missing``, ``failed``, ``timeout``, ...; a
 store that checks checksums reports a mismatch as its own status, so it has its own
@@ -57,6 +59,7 @@ COUNTERS = (
     "saved_blocks",
     "saved_bytes",
     "save_failed_blocks",
+    "repair_blocks",
     *(failure_counter(r) for r in FAILURE_REASONS),
 )
 SAMPLES = ("load_s", "save_s")

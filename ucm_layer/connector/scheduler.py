@@ -18,13 +18,23 @@ request, as vLLM's scheduler drives it:
    keeps its blocks until the workers report them released (``finished`` in a later
    plan asks them to).
 
+Repair: after the step, vLLM hands the engine blocks whose load failed on any worker
+(``KVConnectorOutput.invalid_block_ids``) to ``load_failed``, and recomputes every
+request that holds one from its first failed block. ``load_failed`` moves those
+requests' ``stored`` watermark back to that block, so the blocks vLLM recomputes are
+planned as dumps again once computed, and the next request sharing the prefix hits.
+Where the bad copy was: a ``CORRUPT`` copy was dropped by its store when the load found
+it, a ``MISSING`` one was never there, so the dump lands (stores are put-if-absent); a
+``FAILED`` or ``TIMEOUT`` load says nothing against the stored copy, which is kept (the
+dump then leaves it as it is).
+
 Not thread-safe: vLLM calls the scheduler role from one thread.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -215,6 +225,25 @@ class SchedulerSide:
         )
         st.stored = full
         st.dumped_any = True
+
+    def load_failed(self, block_ids: Collection[int]) -> int:
+        """Engine blocks whose load failed in a past step (vLLM's ``invalid_block_ids``):
+        every tracked request whose stored prefix holds one forgets that the blocks from
+        the first of them on are stored, so they are dumped again once recomputed.
+        Returns the number of blocks set back (also counted as ``repair_blocks``)."""
+        bad = set(block_ids)
+        if not bad:
+            return 0
+        total = 0
+        for st in self._reqs.values():
+            first = next((i for i, b in enumerate(st.block_ids[: st.stored]) if b in bad), None)
+            if first is None:
+                continue
+            total += st.stored - first
+            st.stored = first
+        if total:
+            self.stats.add(repair_blocks=total)
+        return total
 
     def request_finished(self, req_id: str) -> bool:
         """Whether vLLM must keep the request's blocks until the workers release them."""
