@@ -22,6 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--tcp", help="also serve RPC on HOST:PORT")
     serve.add_argument("--token", help="shared secret for TCP clients")
     serve.add_argument("--http", help="HTTP endpoint HOST:PORT (/health, /metrics, /capacity, /keys)")
+    serve.add_argument(
+        "--exit-when-idle",
+        dest="exit_when_idle_s",
+        help="exit after this many seconds with no client (default 0: serve until SIGTERM)",
+    )
     serve.add_argument("--pause-at", dest="pause_at", help=argparse.SUPPRESS)  # tests: a start-up stage
     serve.set_defaults(fn=cmd_serve)
     status = psub.add_parser("status", help="capacity, ranks and objects of a running daemon")
@@ -35,7 +40,8 @@ def _config(args: argparse.Namespace):  # noqa: ANN202 - PoolConfig
     from kvfabric.pool.config import PoolConfig
 
     overrides = {
-        k: getattr(args, k) for k in ("name", "dram", "max_objects", "socket", "tcp", "token", "http")
+        k: getattr(args, k)
+        for k in ("name", "dram", "max_objects", "socket", "tcp", "token", "http", "exit_when_idle_s")
     }
     if args.config:
         return PoolConfig.from_file(args.config, **overrides)

@@ -65,6 +65,7 @@ class PoolConfig:
     transports: str = "mapped"  # GVA transports ranks may use, in order ("mapped,remote")
     verify: str = "on"  # readers check the writer's checksum before a read counts ("on" / "off")
     fence_grace_s: float = 60.0  # expired writes of unwatchable writers stay fenced this long
+    exit_when_idle_s: float = 0.0  # daemon: exit after this long with no client (0: serve until told)
 
     def __post_init__(self) -> None:
         coerce_fields(self, lambda key: f"pool config {key}")
@@ -86,6 +87,8 @@ class PoolConfig:
             raise ValueError(f"pool config rpc_spin_us must be between 0 and 10000, got {self.rpc_spin_us}")
         if self.default_ttl_s < 0:
             raise ValueError(f"pool config default_ttl_s must be >= 0, got {self.default_ttl_s}")
+        if self.exit_when_idle_s < 0:
+            raise ValueError(f"pool config exit_when_idle_s must be >= 0, got {self.exit_when_idle_s}")
         if self.tcp:
             _host_port(self.tcp, "tcp")
         if self.http:

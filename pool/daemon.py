@@ -30,6 +30,11 @@ use the old one until it is retired, and the new one only holds complete entries
 ranks with windows are kept in ``<socket>.ranks`` while the daemon runs; the next start
 reserves them for their owners' tokens, so a client that rejoins first cannot take a
 rank whose objects belong to another (``PoolNode._reserve_ranks``).
+
+Idle exit (``exit_when_idle_s``, off by default; the daemons the vLLM connector starts on
+its own turn it on, ``kvfabric.pool.autostart``): the daemon stops cleanly, as on SIGTERM,
+once it has had no client for that long: no open RPC connection and no fabric rank but its
+own. The time before the first client connects counts as idle.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from kvfabric.errors import KVFabricError
@@ -53,6 +59,7 @@ from kvfabric.pool.server import RpcServer
 log = logging.getLogger("kvfabric.pool")
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+IDLE_POLL_S = 0.5  # how often an idle-exiting daemon counts its clients
 
 
 class StartInterrupted(KVFabricError):
@@ -175,11 +182,38 @@ class PoolDaemon:
 
     def serve_forever(self) -> None:
         """Block until SIGTERM/SIGINT (or ``stop()``), then shut down cleanly. Installs
-        the signal handler itself if the caller did not (main thread only)."""
+        the signal handler itself if the caller did not (main thread only). With
+        ``exit_when_idle_s`` set, also returns (and shuts down) once no client has been
+        connected for that long (:meth:`idle_for`)."""
         if not self.signals.installed:
             self.signals.install()
-        self.signals.event.wait()
+        grace = self.config.exit_when_idle_s
+        if not grace:
+            self.signals.event.wait()
+        else:
+            idle_since: float | None = time.monotonic()  # the start counts as idle
+            while not self.signals.event.wait(min(IDLE_POLL_S, grace)):
+                if self.num_clients():
+                    idle_since = None
+                    continue
+                now = time.monotonic()
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since >= grace:
+                    log.info(
+                        "kvfabric pool %r: no client for %.1f s (exit_when_idle_s); exiting",
+                        self.config.name,
+                        now - idle_since,
+                    )
+                    break
         self.stop()
+
+    def num_clients(self) -> int:
+        """Clients now: open RPC connections, and ranks of the pool's fabric other than the
+        daemon's own (a client that joined but holds no RPC connection at the moment)."""
+        conns = self.rpc.num_connections if self.rpc is not None else 0
+        fabric = self.node.fabric if self.node is not None else None
+        ranks = sum(1 for m in fabric.table.members if m.rank != fabric.rank) if fabric is not None else 0
+        return conns + ranks
 
     def stop(self) -> None:
         """Stop serving and release everything, the locks last. Idempotent; also the

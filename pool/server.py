@@ -119,6 +119,12 @@ class RpcServer:
             self._spawn(self._accept_loop, lst, name="kvfabric-pool-accept")
         self._spawn(self._tick_loop, name="kvfabric-pool-tick")
 
+    @property
+    def num_connections(self) -> int:
+        """Client connections open now (the daemon's idle exit counts them)."""
+        with self._lock:
+            return len(self._conns)
+
     def _spawn(self, target: object, *args: object, name: str) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
         t.start()

@@ -1,0 +1,246 @@
+"""A node-local pool daemon started on demand, shared by every process that asks for it.
+
+The vLLM connector's default with no ``pool_address``, when an engine spans several
+processes (docs/vllm.md): every process of the engine, and every other engine on the node
+configured alike, calls :func:`ensure` with the same :class:`AutoPool` and gets the socket
+of one daemon (``kvfabric pool serve``).
+
+Call order and locking: :func:`ensure` takes an exclusive ``flock`` on
+``<socket>.start.lock`` (blocking, bounded by ``start_timeout_s``), then probes the socket
+(an ``Info`` call). A daemon that answers is joined. Otherwise this process starts one as a
+detached subprocess (its own session: a signal to the caller's process group, e.g. Ctrl-C
+or a worker restart, does not reach it; stdin closed; stdout and stderr appended to
+``<socket>.log``) and waits until it answers, or until it exits (``PoolStartFailed`` with
+the tail of its log). The lock is released only then, so of any number of processes racing
+exactly one starts a daemon and the others find it ready. The daemon's own locks
+(``daemon.py``) still guard against a daemon started by hand on the same socket or name.
+
+Lifetime: the daemon is started with ``exit_when_idle_s`` (default 30 s), so it exits, and
+removes its segments and socket, once no client has been connected for that long: it goes
+away with its last client and survives a client restart shorter than the grace. ``0``
+keeps it until SIGTERM. The starter reaps the daemon if it outlives it (a thread waits on
+it); if the starter goes first the daemon is re-parented as usual.
+
+Where: ``<runtime dir>/kvfabric-pool-<name>.sock``; the runtime dir is
+``$XDG_RUNTIME_DIR`` (as for ``kvfabric pool serve``'s default socket) or, without it,
+``<tmp>/kvfabric-<uid>`` (made 0700; refused if another user owns it). The daemon's
+platform is the caller's (``KVFABRIC_PLATFORM`` in its environment), since clients must
+run the pool's platform.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvfabric.errors import KVFabricError, ServiceUnavailable
+from kvfabric.pool.lock import AlreadyRunning, PidLock
+
+log = logging.getLogger("kvfabric.pool.autostart")
+
+PROBE_TIMEOUT_S = 1.0
+POLL_S = 0.05
+LOG_TAIL_BYTES = 4000
+
+
+class PoolStartFailed(KVFabricError):
+    """The daemon this process started exited or did not answer in time; the message has
+    its command and the end of its log."""
+
+
+@dataclass(frozen=True)
+class AutoPool:
+    """What to ensure: a daemon of pool ``name`` with ``dram`` bytes at ``socket`` (``""``:
+    :func:`socket_path` of the name) that exits after ``exit_when_idle_s`` without clients
+    (0: never), on ``platform`` (None: the caller's default)."""
+
+    name: str = "default"
+    dram: int = 4 << 30
+    exit_when_idle_s: float = 30.0
+    platform: str | None = None
+    socket: str = ""
+    start_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c in self.name for c in "/ \0"):
+            raise ValueError(f"pool name {self.name!r}: a non-empty name without '/' or spaces")
+        if self.dram < 0 or self.exit_when_idle_s < 0 or self.start_timeout_s <= 0:
+            raise ValueError(
+                f"pool autostart: dram ({self.dram}) and exit_when_idle_s ({self.exit_when_idle_s}) "
+                f"must be >= 0, start_timeout_s ({self.start_timeout_s}) > 0"
+            )
+
+    @property
+    def path(self) -> str:
+        return self.socket or socket_path(self.name)
+
+
+@dataclass(frozen=True)
+class PoolLocation:
+    """The daemon :func:`ensure` found or started: its socket, its pid (from its socket
+    lock, None if unreadable) and whether this call started it."""
+
+    socket: str
+    pid: int | None
+    started: bool
+
+
+def runtime_dir() -> str:
+    """This user's directory for pool sockets (see module docstring)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return xdg
+    d = os.path.join(tempfile.gettempdir(), f"kvfabric-{os.getuid()}")
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PoolStartFailed(
+            f"{d} is not a directory of this user (uid {os.getuid()}); set XDG_RUNTIME_DIR "
+            "or the connector's pool_address"
+        )
+    return d
+
+
+def socket_path(name: str) -> str:
+    return os.path.join(runtime_dir(), f"kvfabric-pool-{name}.sock")
+
+
+def probe(socket: str, timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any] | None:
+    """The ``Info`` of the daemon at ``socket``, or None if nothing answers there."""
+    from kvfabric.pool import protocol as p
+    from kvfabric.pool.rpc import SocketTransport
+
+    t = SocketTransport(socket, timeout=timeout)
+    try:
+        return dict(t.call(p.Info()).data)
+    except ServiceUnavailable:
+        return None
+    finally:
+        t.close()
+
+
+def daemon_pid(socket: str) -> int | None:
+    """The pid the daemon at ``socket`` wrote into its socket lock."""
+    try:
+        with open(f"{socket}.lock") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def ensure(pool: AutoPool) -> PoolLocation:
+    """The daemon of ``pool``, started by this call if none answers (see module docstring)."""
+    sock = pool.path
+    deadline = time.monotonic() + pool.start_timeout_s
+    lock = _lock(f"{sock}.start.lock", deadline)
+    try:
+        info = probe(sock)
+        if info is not None:
+            _check(pool, sock, info)
+            return PoolLocation(sock, daemon_pid(sock), started=False)
+        proc = _spawn(pool, sock)
+        while True:
+            info = probe(sock)
+            if info is not None:
+                _check(pool, sock, info)
+                threading.Thread(target=proc.wait, name="kvfabric-pool-reaper", daemon=True).start()
+                pid = daemon_pid(sock)
+                if pid is not None and pid != proc.pid:  # one started by hand meanwhile won
+                    return PoolLocation(sock, pid, started=False)
+                log.info(
+                    "kvfabric: started the node's pool daemon %r (pid %d, %d MiB, socket %s, exits "
+                    "%s; log %s.log)",
+                    pool.name,
+                    proc.pid,
+                    pool.dram >> 20,
+                    sock,
+                    f"{pool.exit_when_idle_s:g} s after its last client"
+                    if pool.exit_when_idle_s
+                    else "on SIGTERM only",
+                    sock,
+                )
+                return PoolLocation(sock, proc.pid, started=True)
+            if proc.poll() is not None:
+                raise PoolStartFailed(
+                    f"the pool daemon started for {sock} exited with status {proc.returncode}: {_tail(sock)}"
+                )
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise PoolStartFailed(
+                    f"the pool daemon started for {sock} did not answer within {pool.start_timeout_s:g} s: "
+                    f"{_tail(sock)}"
+                )
+            time.sleep(POLL_S)
+    finally:
+        lock.release()
+
+
+def _lock(path: str, deadline: float) -> PidLock:
+    while True:
+        try:
+            return PidLock.acquire(path, "a kvfabric process", f"is starting the pool daemon ({path})")
+        except AlreadyRunning as e:
+            if time.monotonic() > deadline:
+                raise PoolStartFailed(f"waited too long for the pool daemon's start: {e}") from e
+            time.sleep(POLL_S)
+
+
+def _check(pool: AutoPool, sock: str, info: dict[str, Any]) -> None:
+    if info.get("name") != pool.name:
+        raise PoolStartFailed(f"the daemon at {sock} serves pool {info.get('name')!r}, not {pool.name!r}")
+    if pool.platform and info.get("platform") != pool.platform:
+        raise PoolStartFailed(
+            f"the pool daemon at {sock} runs on platform {info.get('platform')!r}; this process uses "
+            f"{pool.platform!r}: stop it, or name another pool (pool.name)"
+        )
+
+
+def command(pool: AutoPool, sock: str) -> list[str]:
+    """The daemon's command line."""
+    cmd = [sys.executable, "-m", "kvfabric.cli", "pool", "serve", "--name", pool.name]
+    cmd += ["--dram", str(pool.dram), "--socket", sock]
+    if pool.exit_when_idle_s:
+        cmd += ["--exit-when-idle", f"{pool.exit_when_idle_s:g}"]
+    return cmd
+
+
+def _spawn(pool: AutoPool, sock: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    if pool.platform:
+        env["KVFABRIC_PLATFORM"] = pool.platform
+    env.setdefault("KVFABRIC_LOG_LEVEL", "INFO")
+    with open(f"{sock}.log", "ab") as out:
+        out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} starts the daemon\n".encode())
+        out.flush()
+        return subprocess.Popen(
+            command(pool, sock),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def _tail(sock: str) -> str:
+    try:
+        with open(f"{sock}.log", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+            return f.read().decode(errors="replace").strip() or "(its log is empty)"
+    except OSError as e:
+        return f"(no log: {e})"

@@ -1,0 +1,118 @@
+"""The node-local pool daemon started on demand (``kvfabric.pool.autostart``): processes
+racing to start it start exactly one; it exits once idle for its grace, removing its
+segments and socket; with no grace it stays; a daemon that cannot start is an error
+with its log."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+from kvf_testing import segments
+
+from kvfabric.pool import connect
+from kvfabric.pool.autostart import AutoPool, PoolStartFailed, daemon_pid, ensure, probe
+
+MiB = 1 << 20
+RACERS = 4
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("KVFABRIC_PLATFORM", "sim")
+    return tmp_path
+
+
+def _gone(pid: int | None) -> bool:
+    """The process exited (a zombie counts as exited: it holds nothing)."""
+    if pid is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int | None, sock: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (_gone(pid) and not os.path.exists(sock)):
+        assert time.monotonic() < deadline, f"pool daemon {pid} still there after {timeout} s"
+        time.sleep(0.05)
+
+
+def _race(pool: AutoPool, env: dict, barrier, out) -> None:
+    """Start or join at the barrier; stay a client until every racer has reported (so the
+    idle exit cannot end one daemon before a slow racer looks)."""
+    os.environ.update(env)
+    barrier.wait()
+    try:
+        loc = ensure(pool)
+        client = connect(loc.socket, name=pool.name, metadata_only=True)
+    except BaseException as e:
+        out.put(("error", repr(e), None))
+        raise
+    out.put((loc.started, loc.pid, client.info()["epoch"]))
+    barrier.wait()
+    client.close()
+
+
+def test_racing_processes_start_exactly_one_daemon(runtime, isolated_shm):
+    pool = AutoPool(name="race", dram=8 * MiB, exit_when_idle_s=1.0, platform="sim")
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(RACERS), ctx.Queue()
+    env = {k: os.environ[k] for k in ("XDG_RUNTIME_DIR", "KVFABRIC_SHM_DIR", "KVFABRIC_PLATFORM")}
+    procs = [ctx.Process(target=_race, args=(pool, env, barrier, out)) for _ in range(RACERS)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert all(r[0] in (True, False) for r in got), got
+    assert sum(1 for started, _, _ in got if started) == 1, got
+    assert len({pid for _, pid, _ in got}) == 1 and len({epoch for _, _, epoch in got}) == 1, got
+    pid = got[0][1]
+    _wait_gone(pid, pool.path)  # every racer has exited: the daemon goes after its grace
+    assert segments(isolated_shm) == []
+
+
+def test_daemon_exits_after_its_last_client_and_not_before(runtime, isolated_shm):
+    pool = AutoPool(name="idle", dram=8 * MiB, exit_when_idle_s=1.0, platform="sim")
+    loc = ensure(pool)
+    assert loc.started and loc.pid == daemon_pid(loc.socket)
+    client = connect(loc.socket, name="idle")
+    try:
+        client.put("k", b"v" * 100)
+        time.sleep(3 * pool.exit_when_idle_s)  # a client connected: idle never starts
+        assert not _gone(loc.pid) and client.get("k") == b"v" * 100
+        again = ensure(pool)
+        assert not again.started and again.pid == loc.pid
+    finally:
+        client.close()
+    _wait_gone(loc.pid, loc.socket)
+    assert segments(isolated_shm) == []
+    assert ensure(pool).started  # the next one starts a fresh daemon
+    _wait_gone(daemon_pid(pool.path), pool.path)
+
+
+def test_daemon_without_idle_grace_stays_until_sigterm(runtime, isolated_shm):
+    pool = AutoPool(name="stay", dram=8 * MiB, exit_when_idle_s=0, platform="sim")
+    loc = ensure(pool)
+    try:
+        time.sleep(1.5)
+        assert probe(loc.socket) is not None
+    finally:
+        os.kill(loc.pid, signal.SIGTERM)
+    _wait_gone(loc.pid, loc.socket)
+    assert segments(isolated_shm) == []
+
+
+def test_a_daemon_that_cannot_start_is_an_error_with_its_log(runtime):
+    bad = AutoPool(name="bad", dram=8 * MiB, platform="no-such-platform")
+    with pytest.raises(PoolStartFailed, match="exited with status"):
+        ensure(bad)
+    assert probe(bad.path) is None
