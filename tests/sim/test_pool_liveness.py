@@ -48,16 +48,19 @@ c.close()
 """
 
 
-def _owner(socket: str, prefix: str) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen(
+def _owner(socket: str, prefix: str) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-c", _OWNER.format(support=SUPPORT), socket, prefix],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def _stored(proc: subprocess.Popen) -> dict:
     info = json.loads(proc.stdout.readline())
     assert info["mine"], "no object landed in the client's own window: nothing would be at stake"
-    return proc, info
+    return info
 
 
 def _readable(c, keys: list[str]) -> list[str]:
@@ -72,8 +75,9 @@ def test_a_starved_rank_keeps_its_objects_and_a_stopped_one_loses_them(tmp_path,
     c = connect(d.socket)
     procs: list[subprocess.Popen] = []
     try:
-        proc, info = _owner(d.socket, "busy")
-        procs.append(proc)
+        procs += [_owner(d.socket, "busy"), _owner(d.socket, "hung")]  # both start at once
+        proc, stopped = procs
+        info, info2 = _stored(proc), _stored(stopped)
         proc.stdin.write(f"gil {4 * TTL}\n")
         proc.stdin.flush()
         out = json.loads(proc.stdout.readline())
@@ -82,9 +86,8 @@ def test_a_starved_rank_keeps_its_objects_and_a_stopped_one_loses_them(tmp_path,
         assert _readable(c, info["keys"]) == info["keys"]  # every object, byte for byte
         assert info["rank"] in c.fabric.table.ranks
 
-        stopped, info2 = _owner(d.socket, "hung")  # the control: a hung owner does lose its objects
-        procs.append(stopped)
-        os.kill(stopped.pid, signal.SIGSTOP)
+        assert _readable(c, info2["keys"]) == info2["keys"]
+        os.kill(stopped.pid, signal.SIGSTOP)  # the control: a hung owner does lose its objects
         deadline = time.monotonic() + 30
         while set(info2["mine"]) & set(_readable(c, info2["keys"])) and time.monotonic() < deadline:
             time.sleep(0.2)
