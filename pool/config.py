@@ -61,7 +61,7 @@ class PoolConfig:
     rpc_spin_us: float = 100.0  # daemon: poll a Unix connection this long for a request, then sleep
     pretouch: bool = True  # fault the service's window in at start (first touch is slow)
     rendezvous: str = ""  # "" -> the node hosts one; else a store url (etcd://host:port)
-    session_ttl_s: float = 10.0  # a rank silent this long (hung, not exited) leaves the pool
+    session_ttl_s: float = 10.0  # a rank silent this long is probed, then dropped if stopped or gone
     transports: str = "mapped"  # GVA transports ranks may use, in order ("mapped,remote")
     verify: str = "on"  # readers check the writer's checksum before a read counts ("on" / "off")
     fence_grace_s: float = 60.0  # expired writes of unwatchable writers stay fenced this long

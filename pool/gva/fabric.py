@@ -27,11 +27,13 @@ lowest latency on host memory, pair ``local_address`` with a plain memmove
 (``ctypes.memmove`` or ``platform.native``): ``Platform.copy`` adds a few microseconds
 of argument checks, ``xcopy_sync`` a few more (window and version checks).
 
-Failure: a rank that dies is removed from the table by the survivors within the store's
-session ttl (at once with the single-node store when the process is killed, since its
-socket closes); copies naming it then fail fast with ``RankUnavailable`` and copies
-among the others continue. If this process loses its own session, ``state`` becomes
-``EVICTED`` and every copy raises ``RankUnavailable``.
+Failure: a rank that dies is removed from the table by the survivors when its store
+session ends: at once with the single-node store when the process is killed (its socket
+closes), after the session ttl and a probe's grace when it is stopped or hung, never while
+its process still runs on this node up to the store's ``max_silence`` (docs/gva.md,
+"Liveness"); with etcd, when its lease lapses. Copies naming it then fail fast with
+``RankUnavailable`` and copies among the others continue. If this process loses its own
+session, ``state`` becomes ``EVICTED`` and every copy raises ``RankUnavailable``.
 
 Ownership: an ``XferHandle`` must be waited (or checked until done) for the windows it
 used to be unmapped after their owner left. Not fork-safe: join in the final process.
