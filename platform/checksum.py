@@ -67,11 +67,20 @@ def digest_bytes(data: bytes | bytearray | memoryview) -> int:
 
 
 def digest_ranges(ranges: Iterable[tuple[int, int]]) -> int:
-    """The sealed digest of ``(ptr, nbytes)`` host ranges concatenated in order."""
+    """The sealed digest of ``(ptr, nbytes)`` host ranges concatenated in order.
+
+    One view spans all the ranges and each range is a slice of it (a view per range costs
+    about 1.5 µs: 180 µs for a block of 122 pieces); the bytes between ranges are never
+    read, so they need not be mapped."""
+    rs = [(int(p), int(n)) for p, n in ranges if n]
+    if len(rs) == 1:
+        return digest_range(*rs[0])
     h = xxhash.xxh3_64()
-    for ptr, n in ranges:
-        if n:
-            h.update(view(int(ptr), int(n)))
+    if rs:
+        lo = min(p for p, _ in rs)
+        whole = view(lo, max(p + n for p, n in rs) - lo)
+        for p, n in rs:
+            h.update(whole[p - lo : p - lo + n])
     return _seal(h.intdigest())
 
 
