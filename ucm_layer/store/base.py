@@ -33,6 +33,9 @@ Call order and meaning (every method is thread-safe):
   are cancelled), then release buffers, streams and threads. Idempotent; any later call
   is a ``ValueError``.
 
+The metadata side alone (``lookup``, ``lookup_prefix``, ``close``) is an :class:`Index`:
+what a scheduler in another process gets for the same store (``index.py``).
+
 Memory ownership: the caller owns the memory at ``addrs``. After a ``load`` it must not
 read, and after a ``dump`` it must not overwrite, those bytes until ``wait`` returned:
 for a dump, ``wait`` returning means "the source buffers may be reused" (even if the
@@ -62,7 +65,7 @@ import abc
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -190,6 +193,31 @@ def check_shard(shard_idx: int, layout: StoreLayout) -> int:
     return int(shard_idx)
 
 
+def present_prefix(mask: np.ndarray) -> int:
+    """The length of the run of True at the start of a lookup mask."""
+    misses = np.flatnonzero(~mask)
+    return int(misses[0]) if misses.size else int(mask.size)
+
+
+@runtime_checkable
+class Index(Protocol):
+    """The read-only metadata side of a store: which blocks are present, nothing else.
+
+    What a scheduler needs to count hits without moving bytes: no buffers, no copy threads,
+    no data-path connection (``kvfabric.ucm_layer.store.index``; ``registry.create_index``
+    builds the one of a spec). ``lookup`` and ``lookup_prefix`` mean what they mean on a
+    :class:`Store` (present *and complete*, in the same store the workers' movers write),
+    and a backing service that does not answer is a miss; ``close()`` releases what the
+    index holds (idempotent). Every :class:`Store` is also an index (the one of its own
+    process, including its private tiers). Thread-safe."""
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray: ...
+
+    def lookup_prefix(self, ids: np.ndarray) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class Task(abc.ABC):
     """A handle on one load or dump. Only the store that made it may be asked about it."""
 
@@ -211,9 +239,7 @@ class Store(abc.ABC):
     def lookup(self, ids: np.ndarray) -> np.ndarray: ...
 
     def lookup_prefix(self, ids: np.ndarray) -> int:
-        mask = self.lookup(ids)
-        misses = np.flatnonzero(~mask)
-        return int(misses[0]) if misses.size else int(mask.size)
+        return present_prefix(self.lookup(ids))
 
     def prefetch(self, ids: np.ndarray) -> None:
         """Best effort; the default does nothing."""

@@ -95,6 +95,33 @@ class PoolStoreConfig:
             )
         return cls(**values)
 
+    def connect(self, platform: Platform, **client_kwargs: Any) -> Any:
+        """A client of the daemon this config names (``pool.socket`` or ``pool.tcp``)."""
+        from kvfabric.pool import connect
+
+        return connect(
+            self.socket or None,
+            name=self.name,
+            tcp=self.tcp or None,
+            token=self.token,
+            platform=platform,
+            timeout=self.timeout,
+            **client_kwargs,
+        )
+
+
+def object_keys(prefix: str, ids: np.ndarray, shard: int) -> list[str]:
+    """The pool keys of shard ``shard`` of each block: ``<prefix>/<32 hex digits>/<shard>``."""
+    hexes = binascii.hexlify(np.ascontiguousarray(ids).tobytes()).decode()
+    return [f"{prefix}/{hexes[i : i + 32]}/{shard}" for i in range(0, len(hexes), 32)]
+
+
+def present_all_shards(client: Any, prefix: str, ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """Which blocks have every shard in the pool (``batch_exists``: one table lookup on
+    the pool's node, one RPC elsewhere); raises what the client raises."""
+    keys = [k for s in range(num_shards) for k in object_keys(prefix, ids, s)]
+    return client.batch_exists(keys).reshape(num_shards, ids.shape[0]).all(axis=0)
+
 
 class PoolStore(TaskStore):
     """The pool store (see module docstring)."""
@@ -116,21 +143,11 @@ class PoolStore(TaskStore):
         return cls(PoolStoreConfig.from_mapping(config), **kwargs)
 
     def _connect(self, cfg: PoolStoreConfig, platform: Platform) -> Any:
-        from kvfabric.pool import connect
-
         kwargs: dict[str, Any] = {"window_bytes": cfg.window} if cfg.window else {}
         if cfg.verify:
             kwargs["verify"] = cfg.verify
         if cfg.socket or cfg.tcp:
-            return connect(
-                cfg.socket or None,
-                name=cfg.name,
-                tcp=cfg.tcp or None,
-                token=cfg.token,
-                platform=platform,
-                timeout=cfg.timeout,
-                **kwargs,
-            )
+            return cfg.connect(platform, **kwargs)
         from kvfabric.pool.config import PoolConfig
         from kvfabric.pool.node import EmbeddedPool
 
@@ -139,9 +156,7 @@ class PoolStore(TaskStore):
 
     # ------------------------------------------------------------------ keys
     def keys(self, ids: np.ndarray, shard: int) -> list[str]:
-        hexes = binascii.hexlify(np.ascontiguousarray(ids).tobytes()).decode()
-        p = self.config.prefix
-        return [f"{p}/{hexes[i : i + 32]}/{shard}" for i in range(0, len(hexes), 32)]
+        return object_keys(self.config.prefix, ids, shard)
 
     def _unavailable(self, e: Exception) -> None:
         if not self._warned:
@@ -151,17 +166,16 @@ class PoolStore(TaskStore):
     # ------------------------------------------------------------------ contract
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         arr = self._ids(ids)
-        n, shards = arr.shape[0], self.layout.num_shards
+        n = arr.shape[0]
         if n == 0:
             return np.zeros(0, bool)
-        keys = [k for s in range(shards) for k in self.keys(arr, s)]
         try:
-            present = self.client.batch_exists(keys)
+            present = present_all_shards(self.client, self.config.prefix, arr, self.layout.num_shards)
         except (ServiceUnavailable, KVFabricError) as e:
             self._unavailable(e)
             return np.zeros(n, bool)
         self._warned = False
-        return present.reshape(shards, n).all(axis=0)
+        return present
 
     def _start_load(self, req: Request, task: StoreTask) -> None:
         if req.n == 0:

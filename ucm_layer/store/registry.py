@@ -7,6 +7,11 @@ one flat mapping: ``"store"`` (the spec, when ``spec`` is not given) and
 the pipeline. Keys for stores that are not part of the spec, and keys of no store at
 all, are errors that name the key, so a typo never goes unnoticed.
 
+Indexes: ``create_index(spec, config, layout=...)`` builds the read-only metadata side
+(``base.Index``, ``index.py``) of what a pipeline shares across processes, its lowest tier,
+for a scheduler that only counts hits; ``unshared_reason`` says why a spec cannot be seen
+from another process (a ``cache`` alone, an embedded pool).
+
 Adding a store: an entry in ``STORES`` here, or :func:`register` from outside. Its class
 implements the contract (``base.py``), takes ``(config_mapping, platform=, layout=)``
 through ``from_config`` and returns :class:`~kvfabric.ucm_layer.store.task.StoreTask`
@@ -21,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfabric.platform.base import Platform
-from kvfabric.ucm_layer.store.base import Store, StoreLayout
+from kvfabric.ucm_layer.store.base import Index, Store, StoreLayout
 
 STORES: dict[str, str] = {
     "posix": "kvfabric.ucm_layer.store.posix:PosixStore",
@@ -30,14 +35,25 @@ STORES: dict[str, str] = {
 }
 #: stores that may sit above another one in a pipeline
 CACHING_TIERS: set[str] = {"cache"}
+#: indexes (``index.py``) of the stores another process can look into
+INDEXES: dict[str, str] = {
+    "posix": "kvfabric.ucm_layer.store.index:PosixIndex",
+    "pool": "kvfabric.ucm_layer.store.index:PoolIndex",
+}
+#: stores whose blocks live in one process's memory (no index from another process)
+PROCESS_LOCAL: set[str] = {"cache"}
 PIPELINE_PREFIX = "pipeline"
 SPEC_KEY = "store"
 
 _lock = threading.Lock()
 
 
-def register(name: str, target: str, caching: bool = False) -> None:
-    """Register store ``name`` as ``"package.module:Class"`` (imported when first built)."""
+def register(
+    name: str, target: str, caching: bool = False, index: str | None = None, process_local: bool = False
+) -> None:
+    """Register store ``name`` as ``"package.module:Class"`` (imported when first built);
+    ``index``: the ``"package.module:Class"`` of its index (``create_index``; without one an
+    index of it is the whole store); ``process_local``: its blocks live in one process."""
     if not name or not name.isidentifier() or name == PIPELINE_PREFIX:
         raise ValueError(f"store name must be an identifier other than {PIPELINE_PREFIX!r}, got {name!r}")
     if ":" not in target:
@@ -46,10 +62,23 @@ def register(name: str, target: str, caching: bool = False) -> None:
         STORES[name] = target
         if caching:
             CACHING_TIERS.add(name)
+        if index is not None:
+            INDEXES[name] = index
+        if process_local:
+            PROCESS_LOCAL.add(name)
 
 
 def available() -> list[str]:
     return sorted(STORES)
+
+
+def _import(name: str, target: str) -> Any:
+    module_name, _, cls_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"store {name!r} needs {module_name!r}, which failed to import: {e}") from e
+    return getattr(module, cls_name, None)
 
 
 def store_class(name: str) -> type[Store]:
@@ -57,12 +86,7 @@ def store_class(name: str) -> type[Store]:
     target = STORES.get(name)
     if target is None:
         raise ValueError(f"unknown store {name!r}; known: {', '.join(available())}")
-    module_name, _, cls_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"store {name!r} needs {module_name!r}, which failed to import: {e}") from e
-    cls = getattr(module, cls_name, None)
+    cls = _import(name, target)
     if cls is None or not (isinstance(cls, type) and issubclass(cls, Store)):
         raise ImportError(f"{target!r} (store {name!r}) is not a Store class")
     return cls
@@ -149,3 +173,49 @@ def create(
         for s in reversed(built):
             s.close()
         raise
+
+
+def unshared_reason(spec: str, config: Mapping[str, Any] | None = None) -> str | None:
+    """Why the pipeline ``spec`` with ``config`` keeps its blocks in one process (so a
+    scheduler in another process could never see them), or None when it is shared."""
+    tiers = parse_spec(spec)
+    lowest = tiers[-1]
+    if lowest in PROCESS_LOCAL:
+        return f"store {spec!r} keeps its blocks in the memory of one process (the {lowest!r} store)"
+    target = INDEXES.get(lowest)
+    return _import(lowest, target).unshared(dict(config or {})) if target else None
+
+
+def create_index(
+    spec: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    *,
+    layout: StoreLayout,
+    platform: Platform | None = None,
+) -> Index:
+    """The index (``base.Index``, ``index.py``) of the store or pipeline ``spec``: of its
+    lowest tier, where a block is visible only once stored. ``layout`` gives the shard
+    count a block must have complete. ``UnsharedStore`` when the blocks live in one
+    process (:func:`unshared_reason`); a store with no registered index is built whole (its
+    lookups then cost what the store costs). The caller closes the index."""
+    from kvfabric.ucm_layer.store.index import UnsharedStore
+
+    cfg = dict(config or {})
+    spec = spec if spec is not None else cfg.get(SPEC_KEY)
+    if spec is None:
+        raise ValueError(f"no store spec: pass spec= or set config key {SPEC_KEY!r} (e.g. 'cache|posix')")
+    tiers = parse_spec(spec)
+    check_keys(spec, tiers, cfg)
+    why = unshared_reason(spec, cfg)
+    if why:
+        raise UnsharedStore(why)
+    lowest = tiers[-1]
+    mine = {k: v for k, v in cfg.items() if k.split(".", 1)[0] == lowest}
+    if platform is None:
+        from kvfabric.platform.registry import default
+
+        platform = default()
+    target = INDEXES.get(lowest)
+    if target is None:
+        return create(lowest, mine, layout=layout, platform=platform)
+    return _import(lowest, target).from_config(mine, platform=platform, layout=layout)
