@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 import pytest
+from store_lookups import StoreLookups
 
 from kvfabric.ucm_layer.connector.scheduler import SchedulerSide
 from kvfabric.ucm_layer.connector.views import CachedReq, NewReq, ReqView
@@ -19,29 +20,6 @@ def _ids_from_hashes(hashes, parent):
         [np.frombuffer(hashlib.blake2b(bytes(h), digest_size=16).digest(), np.uint8) for h in hashes],
         np.uint8,
     ).reshape(-1, 16)
-
-
-class StoreLookups:
-    """A stateful stand-in for a store's lookup_prefix: a set of present ids."""
-
-    def __init__(self) -> None:
-        self.present: set[bytes] = set()
-        self.calls = 0
-        self.down = False
-
-    def __call__(self, ids: np.ndarray) -> int:
-        self.calls += 1
-        if self.down:
-            raise TimeoutError("store does not answer")
-        n = 0
-        for row in ids:
-            if row.tobytes() not in self.present:
-                break
-            n += 1
-        return n
-
-    def add(self, ids: np.ndarray) -> None:
-        self.present.update(r.tobytes() for r in ids)
 
 
 def _req(rid: str, ntok: int) -> ReqView:

@@ -35,13 +35,17 @@ class StepPlan:
     after the forward wrote them; ``finished`` are requests whose blocks the scheduler
     keeps alive until every worker reports their dumps released (``get_finished``);
     ``preempted`` are requests whose in-flight dumps must finish before their blocks are
-    reused.
+    reused; ``repaired`` are requests the scheduler set back after a failed load since
+    the last plan (vLLM recomputes them from the failed block): a worker that stopped
+    dumping such a request, because the KV it computed on top of the failed load is not
+    to be stored, dumps it again from this plan on.
     """
 
     loads: list[Transfer] = field(default_factory=list)
     dumps: list[Transfer] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+    repaired: set[str] = field(default_factory=set)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.dumps or self.finished or self.preempted)
+        return not (self.loads or self.dumps or self.finished or self.preempted or self.repaired)

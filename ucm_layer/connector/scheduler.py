@@ -22,7 +22,10 @@ Repair: after the step, vLLM hands the engine blocks whose load failed on any wo
 (``KVConnectorOutput.invalid_block_ids``) to ``load_failed``, and recomputes every
 request that holds one from its first failed block. ``load_failed`` moves those
 requests' ``stored`` watermark back to that block, so the blocks vLLM recomputes are
-planned as dumps again once computed, and the next request sharing the prefix hits.
+planned as dumps again once computed, and the next request sharing the prefix hits;
+the next plan names those requests (``repaired``). The KV a worker computed on top of a
+failed load in that step is wrong too: the worker does not dump a request whose load
+failed until a plan names it repaired (see ``worker.py``).
 Where the bad copy was: a ``CORRUPT`` copy was dropped by its store when the load found
 it, a ``MISSING`` one was never there, so the dump lands (stores are put-if-absent); a
 ``FAILED`` or ``TIMEOUT`` load says nothing against the stored copy, which is kept (the
@@ -87,6 +90,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._planned_loads: list[Transfer] = []
         self._finished: set[str] = set()
+        self._repaired: set[str] = set()
         self._store_down = False
 
     # ------------------------------------------------------------------ ids
@@ -179,8 +183,13 @@ class SchedulerSide:
         num_scheduled: dict[str, int],
         preempted: set[str] | None = None,
     ) -> StepPlan:
-        plan = StepPlan(loads=self._planned_loads, finished=self._finished, preempted=set(preempted or ()))
-        self._planned_loads, self._finished = [], set()
+        plan = StepPlan(
+            loads=self._planned_loads,
+            finished=self._finished,
+            preempted=set(preempted or ()),
+            repaired=self._repaired,
+        )
+        self._planned_loads, self._finished, self._repaired = [], set(), set()
         for r in new:
             st = self._reqs.get(r.req_id)
             if st is None:
@@ -241,6 +250,7 @@ class SchedulerSide:
                 continue
             total += st.stored - first
             st.stored = first
+            self._repaired.add(st.view.req_id)
         if total:
             self.stats.add(repair_blocks=total)
         return total

@@ -15,7 +15,10 @@ Call order per engine step (vLLM's model runner drives it):
    ``failed_blocks()`` hands those to vLLM, which recomputes them. The first failure of
    a run of failures is logged once as a warning, never raised; every failed block is
    counted in ``load_failed_blocks`` and under its reason (``load_failed_<status>``, see
-   ``metrics.py``).
+   ``metrics.py``). The KV the forward computes for such a request on top of the failed
+   blocks is wrong as well: the request's dumps are skipped from then on, until a plan
+   names it ``repaired`` (the scheduler set it back; vLLM recomputes it from the failed
+   block, and those dumps are good again).
 3. ``save_layer(name)`` after each attention layer (layer-wise mode) and
    ``wait_for_save(plan)`` after the forward: dumps start asynchronously (gather on the
    copy stream, then the store transfer).
@@ -97,6 +100,8 @@ class WorkerSide:
         self._dumps: dict[str, list[DumpOp]] = {}
         self._awaiting: set[str] = set()
         self._failed: set[int] = set()
+        self._load_owner: dict[int, str] = {}  # engine block -> request, of this step's loads
+        self._poisoned: set[str] = set()  # requests whose load failed, until repaired
         self._load_trouble = False
         self._save_trouble = False
         if cfg.sparse:
@@ -188,6 +193,9 @@ class WorkerSide:
     # ------------------------------------------------------------------ loads
     def start_load(self, plan: StepPlan) -> None:
         self._layer_loads.clear()
+        if self._poisoned:
+            self._poisoned -= plan.repaired | plan.finished
+        self._load_owner = {int(b): t.req_id for t in plan.loads for b in t.blocks.tolist()}
         if not plan.loads or self.delegator is None or not self.can_load:
             return
         ids, blocks = self._join(plan.loads)
@@ -269,6 +277,8 @@ class WorkerSide:
         layers of one step counts once."""
         new = np.array([int(b) not in self._failed for b in blocks], dtype=bool)
         self._failed.update(int(b) for b in blocks)
+        owners = (self._load_owner.get(int(b)) for b in blocks)
+        self._poisoned.update(r for r in owners if r is not None)
         codes = np.full(blocks.size, -1, np.int64) if status is None else np.asarray(status, np.int64)
         reasons: dict[str, int] = {}
         for code in codes[new]:
@@ -290,15 +300,22 @@ class WorkerSide:
         return out
 
     # ------------------------------------------------------------------ saves
+    def _dumpable(self, dumps: list[Transfer]) -> list[Transfer]:
+        """The planned dumps but those of requests whose load failed (see ``start_load``)."""
+        if not self._poisoned:
+            return dumps
+        return [t for t in dumps if t.req_id not in self._poisoned]
+
     def save_layer(self, layer_name: str, plan: StepPlan | None) -> None:
         if not self.cfg.layerwise or plan is None or not plan.dumps or not self.can_save:
             return
         layer = self._layer_index.get(layer_name)
-        if layer is None or self.delegator is None:
+        items = self._dumpable(plan.dumps)
+        if layer is None or self.delegator is None or not items:
             return
-        if self._layer_dump_rows is None or self._layer_dump_rows[2] is not plan.dumps:
-            ids, blocks = self._join(plan.dumps)
-            self._layer_dump_rows = (self._tag(ids), blocks, plan.dumps)
+        if self._layer_dump_rows is None or self._layer_dump_rows[2] is not items:
+            ids, blocks = self._join(items)
+            self._layer_dump_rows = (self._tag(ids), blocks, items)
         ids, blocks, items = self._layer_dump_rows
         self._start_dumps(items, ids, blocks, layer)
 
@@ -306,9 +323,10 @@ class WorkerSide:
         self._layer_dump_rows = None
         if plan is None:
             return
-        if plan.dumps and not self.cfg.layerwise and self.can_save and self.delegator is not None:
-            ids, blocks = self._join(plan.dumps)
-            self._start_dumps(plan.dumps, self._tag(ids), blocks, None)
+        items = self._dumpable(plan.dumps)
+        if items and not self.cfg.layerwise and self.can_save and self.delegator is not None:
+            ids, blocks = self._join(items)
+            self._start_dumps(items, self._tag(ids), blocks, None)
         self._awaiting |= plan.finished
         if plan.preempted:
             self.preempted(plan.preempted)

@@ -1,0 +1,182 @@
+"""The connector's scheduler role driven by vLLM's own ``Scheduler`` (as vLLM's connector
+unit tests drive theirs): no model runs; each step's model output is written here, with
+the worker's report (``invalid_block_ids``, ``finished_sending``) in it.
+
+The store behind the scheduler's lookups is a set of ids: the blocks a step's plan dumped
+are added to it after the step, as a worker whose dumps succeeded would. Scenarios: a
+load that fails for one block is recomputed by vLLM and that block (with those after it)
+is in the next step's dump plan, under the ids it was looked up by; and vLLM's
+``make_stats`` carries the connector's counters, which vLLM's logging path turns back
+into kvfabric's stats object.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from store_lookups import StoreLookups
+
+from kvfabric.bench.engine import kvfabric_transfer_config, vllm_problem
+
+pytestmark = pytest.mark.skipif(bool(vllm_problem()), reason=vllm_problem() or "")
+
+BS = 16
+NUM_BLOCKS = 64
+PROMPT = 5 * BS + 3  # 5 full blocks can load; the 6th holds the last prompt token
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from kvfabric.bench.models import tiny_llama
+
+    return str(tiny_llama())
+
+
+def _scheduler(model_dir: str, store_dir: str):
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    vc = VllmConfig(
+        model_config=ModelConfig(
+            model=model_dir, dtype="float32", seed=0, max_model_len=1024, skip_tokenizer_init=True
+        ),
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            max_model_len=1024,
+            async_scheduling=False,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=KVTransferConfig(**kvfabric_transfer_config("posix", store_dir)),
+        device_config=DeviceConfig("cpu"),
+    )
+    vc.cache_config.num_gpu_blocks = NUM_BLOCKS
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    )
+    sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BS, log_stats=True)
+    store = StoreLookups()
+    sched.connector.scheduler._lookup_prefix = store  # the seam SchedulerSide takes
+    return sched, store
+
+
+def _request(rid: str, tokens: list[int], max_tokens: int = 2):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, tokens, sp, None, block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def _step(sched, store, *, invalid: set[int] | None = None, sending: set[str] | None = None):
+    """One engine step: schedule, then the model output (one sampled token per request)
+    with the worker's report. The plan's dumps count as stored. Returns (plan, outputs)."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    out = sched.schedule()
+    plan = out.kv_connector_metadata.plan
+    ids = list(out.num_scheduled_tokens)
+    mro = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids],
+        kv_connector_output=KVConnectorOutput(
+            invalid_block_ids=set(invalid or ()), finished_sending=set(sending or ()) or None
+        ),
+    )
+    outputs = sched.update_from_output(out, mro)
+    for t in plan.dumps:
+        store.add(t.ids)
+    return plan, outputs
+
+
+def _blocks_of(sched, rid: str) -> list[int]:
+    (blocks,) = sched.kv_cache_manager.get_block_ids(rid)
+    return list(blocks)
+
+
+def test_a_failed_block_is_recomputed_and_in_the_next_steps_dump_plan(model_dir, tmp_path):
+    sched, store = _scheduler(model_dir, str(tmp_path))
+    prompt = list(range(100, 100 + PROMPT))
+    sched.add_request(_request("cold", prompt, max_tokens=1))
+    plan, _ = _step(sched, store)
+    assert not plan.loads and [t.blocks.size for t in plan.dumps] == [5]
+    stored_ids = plan.dumps[0].ids.copy()
+    plan, _ = _step(sched, store, sending={"cold"})  # the worker released the finished request
+    assert plan.finished == {"cold"} or not sched.requests
+
+    sched.add_request(_request("warm", prompt, max_tokens=4))
+    out = sched.schedule()  # scheduled by hand: the report names this request's blocks
+    plan = out.kv_connector_metadata.plan
+    assert [t.blocks.size for t in plan.loads] == [5] and not plan.dumps
+    assert np.array_equal(plan.loads[0].ids, stored_ids)
+    blocks = _blocks_of(sched, "warm")
+    assert list(plan.loads[0].blocks) == blocks[:5]
+    assert out.num_scheduled_tokens["warm"] == PROMPT - 5 * BS
+
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    mro = ModelRunnerOutput(
+        req_ids=["warm"],
+        req_id_to_index={"warm": 0},
+        sampled_token_ids=[[7]],
+        kv_connector_output=KVConnectorOutput(invalid_block_ids={blocks[2]}),
+    )
+    sched.update_from_output(out, mro)
+    req = sched.requests["warm"]
+    assert req.num_computed_tokens == 2 * BS  # vLLM recomputes from the failed block
+    assert not req.output_token_ids  # the step's token was thrown away
+
+    plan, _ = _step(sched, store)  # the recompute
+    assert not plan.loads and plan.repaired == {"warm"}
+    assert [list(t.blocks) for t in plan.dumps] == [blocks[2:5]]
+    assert np.array_equal(plan.dumps[0].ids, stored_ids[2:5])  # dumped again, same ids
+    assert sched.connector.scheduler.stats.totals["repair_blocks"] == 3
+
+    # a third request with the same prompt loads every full block again
+    sched.add_request(_request("again", prompt, max_tokens=1))
+    while "again" not in sched.requests or sched.requests["again"].num_computed_tokens == 0:
+        plan, _ = _step(sched, store)
+        if any(t.req_id == "again" for t in plan.loads):
+            break
+    assert [t.blocks.size for t in plan.loads if t.req_id == "again"] == [5]
+
+
+def test_make_stats_carries_the_connectors_counters(model_dir, tmp_path):
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    from kvfabric.ucm_layer.connector.connector import KVFabricStats
+
+    sched, store = _scheduler(model_dir, str(tmp_path))
+    prompt = list(range(300, 300 + PROMPT))
+    sched.add_request(_request("s1", prompt, max_tokens=1))
+    _, outputs = _step(sched, store)
+    stats = next(o.scheduler_stats for o in outputs.values() if o.scheduler_stats is not None)
+    data = stats.kv_connector_stats
+    assert data and data["lookups"] == 1 and data["requested_tokens"] == PROMPT
+    # vLLM's logging path: build_kv_connector_stats -> aggregate -> reduce
+    logging_path = KVConnectorLogging(sched.vllm_config.kv_transfer_config)
+    logging_path.observe(data)
+    acc = logging_path.transfer_stats_accumulator
+    assert isinstance(acc, KVFabricStats) and not acc.is_empty()
+    assert acc.reduce()["lookups"] == 1
+    assert sched.make_stats() is not None
