@@ -180,3 +180,19 @@ def test_make_stats_carries_the_connectors_counters(model_dir, tmp_path):
     assert isinstance(acc, KVFabricStats) and not acc.is_empty()
     assert acc.reduce()["lookups"] == 1
     assert sched.make_stats() is not None
+
+    # vLLM's Prometheus path: build_prom_metrics -> observe -> /metrics samples
+    from prometheus_client import REGISTRY
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    unregister_vllm_metrics()
+    try:
+        prom = KVConnectorProm(sched.vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+        assert prom.prom_metrics is not None
+        prom.observe(data, 0)
+        labels = {"model_name": "tiny", "engine": "0"}
+        assert REGISTRY.get_sample_value("vllm:kvfabric_lookups_total", labels) == 1
+        assert REGISTRY.get_sample_value("vllm:kvfabric_requested_tokens_total", labels) == PROMPT
+    finally:
+        unregister_vllm_metrics()

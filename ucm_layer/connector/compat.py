@@ -9,7 +9,8 @@ vLLM. Differences absorbed:
 * ``KVConnectorBase_V1.__init__`` with or without ``kv_cache_config``;
 * ``CachedRequestData.resumed_req_ids`` (a set, new) vs ``resumed_from_preemption``
   (a list of bools, older);
-* ``KVConnectorStats`` (absent before the stats API: stats are then not exported);
+* ``KVConnectorStats`` (absent before the stats API: stats are then not exported) and
+  ``KVConnectorPromMetrics`` (absent before per-connector Prometheus metrics);
 * block hashes as ``bytes`` (new) or as a named tuple with ``hash_value`` (older);
 * where the TP rank and the KV cache's block strides come from;
 * the physical KV layout: releases that resolve one (``kv_cache_config.kv_cache_layout``,
@@ -41,6 +42,10 @@ try:  # the stats API (vLLM >= 0.11)
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorStats = None  # type: ignore[assignment,misc]
+try:  # per-connector Prometheus metrics (build_prom_metrics; newer than the stats API)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorPromMetrics = None  # type: ignore[assignment,misc]
 
 VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
 
@@ -50,6 +55,7 @@ __all__ = [
     "EngineInfo",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
     "KVConnectorRole",
     "KVConnectorStats",
     "NewReq",

@@ -272,6 +272,19 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return None if KVFabricStats is None else KVFabricStats(data)
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """The counters on vLLM's ``/metrics`` as ``vllm:kvfabric_*`` (see ``prom.py``)."""
+        from kvfabric.ucm_layer.connector import prom
+
+        return prom.build(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         _instances.discard(self)
         if self.worker is not None:
