@@ -2,9 +2,11 @@
 
 The scenarios: the same prompt twice with vLLM's own prefix cache off (the second run
 loads its prefix through kvfabric and generates the same tokens); blocks stored with the
-Delegator on loading with it off; two engine processes sharing one store; a store whose data went bad between runs (recompute, same tokens,
-one warning); same-size noise over every block's bytes between runs (the checksums catch
-it: the blocks fail as ``CORRUPT``, are counted, and the tokens are the cold run's); and
+Delegator on loading with it off; two engine processes sharing one store; a store whose
+data went bad between runs (recompute, same tokens, one warning when loads fail and one
+when they work again); same-size noise over every block's bytes between runs (the
+checksums catch it: the blocks fail as ``CORRUPT``, are counted, and the tokens are the
+cold run's; the recomputed blocks are stored again and load in the next run); and
 a negative control (the same noise with verification off changes the tokens, so the
 loads are real and the noise would matter).
 """
@@ -194,12 +196,13 @@ def test_store_gone_bad_between_runs_recomputes_with_one_warning(tiny_model, tmp
             again = [eng.generate([prompt], 12) for _ in range(2)]
         worker, _ = _totals(eng)
         assert again == [ref, ref]
-        # the first rerun fails every block; the store drops the bad files, so the second
-        # one misses them (and stores them again) instead of failing them a second time
+        # the first rerun fails every block; the store drops the bad files and the
+        # connector stores the recomputed blocks again, so the second one loads them all
         assert worker["load_failed_blocks"] == (PROMPT_LEN - 1) // BLOCK_SIZE
+        assert worker["loaded_blocks"] == (PROMPT_LEN - 1) // BLOCK_SIZE
         ours = [r for r in caplog.records if r.name == "kvfabric.connector" and r.levelno >= logging.WARNING]
-        assert len(ours) == 1, [r.getMessage() for r in ours]
-        assert "recomputes" in ours[0].getMessage()
+        assert len(ours) == 2, [r.getMessage() for r in ours]  # one when loads fail, one when they work
+        assert "recomputes" in ours[0].getMessage() and "succeed again" in ours[1].getMessage()
         assert not [r for r in caplog.records if r.name.startswith("kvfabric") and r.exc_info]
     finally:
         eng.close()
@@ -209,7 +212,8 @@ def test_same_size_noise_in_the_store_is_recomputed_not_served(smol_model, tmp_p
     """Run 1 (cold) stores the prompt's blocks; same-size noise then replaces every block's
     bytes; run 2 must give run 1's tokens, every block failing its checksum (counted as
     such, handed to vLLM to recompute) instead of loading; the store dropped the bad
-    copies, so run 3 recomputes and stores them again and still gives the same tokens."""
+    copies and the connector stored the recomputed blocks again, so run 3 loads them and
+    still gives the same tokens."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smol_model)
@@ -231,6 +235,7 @@ def test_same_size_noise_in_the_store_is_recomputed_not_served(smol_model, tmp_p
         checksum = metrics.failure_counter(metrics.failure_reason(BlockStatus.CORRUPT))
         assert worker[checksum] == blocks
         assert eng.generate([prompt], 8) == cold
+        assert _totals(eng)[0]["loaded_blocks"] == blocks
     finally:
         eng.close()
 
