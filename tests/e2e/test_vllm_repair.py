@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvfabric.bench.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
 from kvfabric.ucm_layer.connector import metrics
@@ -50,7 +51,8 @@ def _noise(path: Path, payload: int, seed: int) -> None:
     assert path.stat().st_size == size
 
 
-def test_failed_blocks_are_saved_again_and_the_next_run_hits(smol_model, tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"layerwise": True}], ids=["whole", "layerwise"])
+def test_failed_blocks_are_saved_again_and_the_next_run_hits(smol_model, tmp_path, extra):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smol_model)
@@ -58,7 +60,10 @@ def test_failed_blocks_are_saved_again_and_the_next_run_hits(smol_model, tmp_pat
     blocks = (len(prompt) - 1) // BLOCK_SIZE
     assert blocks >= 6
     eng = make_engine(
-        smol_model, kvfabric_transfer_config("posix", tmp_path), kv_bytes=128 << 20, max_model_len=1024
+        smol_model,
+        kvfabric_transfer_config("posix", tmp_path, **extra),
+        kv_bytes=128 << 20,
+        max_model_len=1024,
     )
     sched = next(c.scheduler for c in eng.connectors() if c.scheduler is not None)
     record = sched._ids_from_hashes = RecordIds(sched._ids_from_hashes)

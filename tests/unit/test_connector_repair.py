@@ -50,27 +50,39 @@ def test_dumps_of_a_request_whose_load_failed_wait_for_its_repair(plat, layerwis
     prefix, computed, other = (rng.integers(0, 256, (n, 16), dtype=np.uint8) for n in (2, 1, 1))
 
     def step(plan: StepPlan) -> None:
-        w.start_load(plan)
+        """The hooks in vLLM's order: a step without loads starts them after the forward."""
+        if plan.loads:
+            w.start_load(plan)
         for name in caches:
             w.wait_layer(name)
             w.save_layer(name, plan)
+        if not plan.loads:
+            w.start_load(plan)
         w.wait_for_save(plan)
         w._reap(block=True)
 
     step(StepPlan(dumps=[Transfer("cold", prefix, np.array([0, 1]))]))
     assert _present(store, prefix) == [True, True]
 
-    # warm: loads the prefix into blocks 4, 5 (block 4 fails) and computes block 6 on it;
-    # another request in the same batch computes block 7 and is dumped as planned
+    # warm loads the prefix into blocks 4, 5 (block 4 fails) and computes block 6 on it;
+    # "shared" starts on block 4 too (vLLM's prefix cache) and computes block 8; "x" reads
+    # nothing loaded and computes block 7: only its dump is stored
+    shared = rng.integers(0, 256, (1, 16), dtype=np.uint8)
     store.corrupt_next_loads = 1
     step(
         StepPlan(
             loads=[Transfer("warm", prefix, np.array([4, 5]))],
-            dumps=[Transfer("warm", computed, np.array([6])), Transfer("x", other, np.array([7]))],
+            dumps=[
+                Transfer("warm", computed, np.array([6])),
+                Transfer("x", other, np.array([7])),
+                Transfer("shared", shared, np.array([8])),
+            ],
+            readers={"warm": {4, 5}, "shared": {4}},
         )
     )
     assert w.failed_blocks() == {4}
     assert _present(store, computed) == [False]  # not stored: computed on top of block 4
+    assert _present(store, shared) == [False]
     assert _present(store, other) == [True]
     step(StepPlan(dumps=[Transfer("warm", computed, np.array([6]))]))  # not repaired yet
     assert _present(store, computed) == [False]

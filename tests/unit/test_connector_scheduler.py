@@ -117,6 +117,7 @@ def test_a_failed_load_sets_the_stored_watermark_back_so_the_recompute_is_dumped
     s.after_alloc(r, [30, 31, 32, 33, 34], 4 * BS)
     plan = s.build_plan([NewReq("g1", [30, 31, 32, 33, 34], 4 * BS)], [], {"g1": 2})
     assert [list(t.blocks) for t in plan.loads] == [[30, 31, 32, 33]] and not plan.dumps
+    assert plan.readers == {"g1": {30, 31, 32, 33}}  # its own loaded blocks
     # the load of engine block 32 failed: vLLM recomputes from block 2 on
     assert s.load_failed({32, 999}) == 2
     assert s.stats.totals["repair_blocks"] == 2
@@ -125,3 +126,20 @@ def test_a_failed_load_sets_the_stored_watermark_back_so_the_recompute_is_dumped
     assert [list(t.blocks) for t in plan.dumps] == [[32, 33]]
     assert np.array_equal(plan.dumps[0].ids, ids[2:4])  # the same blocks, under the same ids
     assert s.load_failed(set()) == 0 and s.load_failed({77}) == 0  # nothing of ours: no change
+
+
+def test_a_request_starting_on_blocks_another_one_loads_this_step_is_a_reader(side):
+    s, store = side
+    store.add(_ids_from_hashes([f"h-{i}".encode() for i in range(2)], None))
+    a, b = _req("h1", 10), _req("h2", 10)  # same prefix
+    assert s.num_new_matched_tokens(a, 0) == 2 * BS
+    s.after_alloc(a, [40, 41, 42], 2 * BS)
+    s.num_new_matched_tokens(b, 2 * BS)  # vLLM's prefix cache shares a's blocks 40, 41
+    s.after_alloc(b, [40, 41, 43], 0)
+    plan = s.build_plan(
+        [NewReq("h1", [40, 41, 42], 2 * BS), NewReq("h2", [40, 41, 43], 2 * BS), NewReq("h3", [9], 0)],
+        [],
+        {"h1": 2, "h2": 2, "h3": 1},
+    )
+    assert plan.readers == {"h1": {40, 41}, "h2": {40, 41}}
+    assert s.build_plan([], [], {}).readers == {}  # no loads, no readers

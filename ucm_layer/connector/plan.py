@@ -38,7 +38,10 @@ class StepPlan:
     reused; ``repaired`` are requests the scheduler set back after a failed load since
     the last plan (vLLM recomputes them from the failed block): a worker that stopped
     dumping such a request, because the KV it computed on top of the failed load is not
-    to be stored, dumps it again from this plan on.
+    to be stored, dumps it again from this plan on. ``readers`` are the requests that
+    start this step on engine blocks loaded in it, with those blocks: the loaders
+    themselves and requests vLLM's prefix cache lets share the blocks. If one of the
+    blocks fails, the KV computed this step by each of its readers is wrong.
     """
 
     loads: list[Transfer] = field(default_factory=list)
@@ -46,6 +49,7 @@ class StepPlan:
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
     repaired: set[str] = field(default_factory=set)
+    readers: dict[str, set[int]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.loads or self.dumps or self.finished or self.preempted or self.repaired)

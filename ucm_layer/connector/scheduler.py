@@ -24,8 +24,10 @@ request that holds one from its first failed block. ``load_failed`` moves those
 requests' ``stored`` watermark back to that block, so the blocks vLLM recomputes are
 planned as dumps again once computed, and the next request sharing the prefix hits;
 the next plan names those requests (``repaired``). The KV a worker computed on top of a
-failed load in that step is wrong too: the worker does not dump a request whose load
-failed until a plan names it repaired (see ``worker.py``).
+failed load in that step is wrong too: each plan names the requests that start the step
+on blocks loaded in it (``readers``: the loaders, and requests vLLM's prefix cache lets
+share those blocks), and the worker does not dump a reader of a failed block until a plan
+names it repaired (see ``worker.py``).
 Where the bad copy was: a ``CORRUPT`` copy was dropped by its store when the load found
 it, a ``MISSING`` one was never there, so the dump lands (stores are put-if-absent); a
 ``FAILED`` or ``TIMEOUT`` load says nothing against the stored copy, which is kept (the
@@ -190,11 +192,16 @@ class SchedulerSide:
             repaired=self._repaired,
         )
         self._planned_loads, self._finished, self._repaired = [], set(), set()
+        loading = {int(b) for t in plan.loads for b in t.blocks.tolist()}
         for r in new:
             st = self._reqs.get(r.req_id)
             if st is None:
                 continue
             st.block_ids = list(r.block_ids)
+            if loading:
+                self._note_reader(
+                    plan, r.req_id, st.block_ids[: r.num_computed_tokens // self.block_size], loading
+                )
             # computed tokens count vLLM's own prefix-cache hits (stored when first
             # computed) and the blocks loaded from the store this step
             st.stored = max(st.stored, r.num_computed_tokens // self.block_size)
@@ -207,10 +214,21 @@ class SchedulerSide:
             if c.resumed:  # a preempted request starts over with a new block table
                 st.block_ids = list(c.new_block_ids or [])
                 st.stored = c.num_computed_tokens // self.block_size
+                if loading:
+                    self._note_reader(plan, c.req_id, st.block_ids[: st.stored], loading)
+                st.load = None
             elif c.new_block_ids:
                 st.block_ids.extend(c.new_block_ids)
             self._plan_dumps(st, c.num_computed_tokens + num_scheduled.get(c.req_id, 0), plan)
         return plan
+
+    @staticmethod
+    def _note_reader(plan: StepPlan, req_id: str, prefix: list[int], loading: set[int]) -> None:
+        """A request that starts this step on blocks loaded this step (its own, or another
+        request's that vLLM's prefix cache shares): its KV this step depends on that load."""
+        reads = loading.intersection(prefix)
+        if reads:
+            plan.readers[req_id] = reads
 
     def _plan_dumps(self, st: _Req, computed_after_step: int, plan: StepPlan) -> None:
         if not self.can_save:

@@ -15,10 +15,10 @@ Call order per engine step (vLLM's model runner drives it):
    ``failed_blocks()`` hands those to vLLM, which recomputes them. The first failure of
    a run of failures is logged once as a warning, never raised; every failed block is
    counted in ``load_failed_blocks`` and under its reason (``load_failed_<status>``, see
-   ``metrics.py``). The KV the forward computes for such a request on top of the failed
-   blocks is wrong as well: the request's dumps are skipped from then on, until a plan
-   names it ``repaired`` (the scheduler set it back; vLLM recomputes it from the failed
-   block, and those dumps are good again).
+   ``metrics.py``). The KV the forward computes on top of the failed blocks is wrong as
+   well: the dumps of every request that read them (``plan.readers``) are skipped from
+   then on, until a plan names it ``repaired`` (the scheduler set it back; vLLM
+   recomputes it from the failed block, and those dumps are good again).
 3. ``save_layer(name)`` after each attention layer (layer-wise mode) and
    ``wait_for_save(plan)`` after the forward: dumps start asynchronously (gather on the
    copy stream, then the store transfer).
@@ -100,7 +100,8 @@ class WorkerSide:
         self._dumps: dict[str, list[DumpOp]] = {}
         self._awaiting: set[str] = set()
         self._failed: set[int] = set()
-        self._load_owner: dict[int, str] = {}  # engine block -> request, of this step's loads
+        self._readers: dict[str, set[int]] = {}  # requests on blocks loaded this step (plan)
+        self._begun: StepPlan | None = None  # the plan of this step, once a hook saw it
         self._poisoned: set[str] = set()  # requests whose load failed, until repaired
         self._load_trouble = False
         self._save_trouble = False
@@ -191,11 +192,18 @@ class WorkerSide:
         return np.concatenate([t.ids for t in items]), np.concatenate([t.blocks for t in items])
 
     # ------------------------------------------------------------------ loads
-    def start_load(self, plan: StepPlan) -> None:
-        self._layer_loads.clear()
+    def _begin(self, plan: StepPlan) -> None:
+        """Once per plan, in whichever hook sees it first: vLLM calls ``start_load`` after
+        the forward (and so after ``save_layer``) when the step has no synchronous load."""
+        if plan is self._begun:
+            return
+        self._begun, self._readers = plan, plan.readers
         if self._poisoned:
             self._poisoned -= plan.repaired | plan.finished
-        self._load_owner = {int(b): t.req_id for t in plan.loads for b in t.blocks.tolist()}
+
+    def start_load(self, plan: StepPlan) -> None:
+        self._layer_loads.clear()
+        self._begin(plan)
         if not plan.loads or self.delegator is None or not self.can_load:
             return
         ids, blocks = self._join(plan.loads)
@@ -277,8 +285,8 @@ class WorkerSide:
         layers of one step counts once."""
         new = np.array([int(b) not in self._failed for b in blocks], dtype=bool)
         self._failed.update(int(b) for b in blocks)
-        owners = (self._load_owner.get(int(b)) for b in blocks)
-        self._poisoned.update(r for r in owners if r is not None)
+        failed = {int(b) for b in blocks}
+        self._poisoned.update(r for r, reads in self._readers.items() if not reads.isdisjoint(failed))
         codes = np.full(blocks.size, -1, np.int64) if status is None else np.asarray(status, np.int64)
         reasons: dict[str, int] = {}
         for code in codes[new]:
@@ -310,6 +318,7 @@ class WorkerSide:
         if not self.cfg.layerwise or plan is None or not plan.dumps or not self.can_save:
             return
         layer = self._layer_index.get(layer_name)
+        self._begin(plan)
         items = self._dumpable(plan.dumps)
         if layer is None or self.delegator is None or not items:
             return
@@ -323,6 +332,7 @@ class WorkerSide:
         self._layer_dump_rows = None
         if plan is None:
             return
+        self._begin(plan)
         items = self._dumpable(plan.dumps)
         if items and not self.cfg.layerwise and self.can_save and self.delegator is not None:
             ids, blocks = self._join(items)
