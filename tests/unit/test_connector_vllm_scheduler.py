@@ -34,7 +34,9 @@ def model_dir() -> str:
     return str(tiny_llama())
 
 
-def _scheduler(model_dir: str, store_dir: str):
+def _scheduler(
+    model_dir: str, store_dir: str, prefix_caching: bool = False, store: StoreLookups | None = None
+):
     import torch
     from vllm.config import (
         CacheConfig,
@@ -53,7 +55,7 @@ def _scheduler(model_dir: str, store_dir: str):
         model_config=ModelConfig(
             model=model_dir, dtype="float32", seed=0, max_model_len=1024, skip_tokenizer_init=True
         ),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_seqs=8,
             max_num_batched_tokens=1024,
@@ -71,7 +73,7 @@ def _scheduler(model_dir: str, store_dir: str):
         num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
     )
     sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BS, log_stats=True)
-    store = StoreLookups()
+    store = store if store is not None else StoreLookups()
     sched.connector.scheduler._lookup_prefix = store  # the seam SchedulerSide takes
     return sched, store
 
@@ -196,3 +198,41 @@ def test_make_stats_carries_the_connectors_counters(model_dir, tmp_path):
         assert REGISTRY.get_sample_value("vllm:kvfabric_requested_tokens_total", labels) == PROMPT
     finally:
         unregister_vllm_metrics()
+
+
+def test_a_request_sharing_a_failed_block_through_the_prefix_cache_is_set_back_too(model_dir, tmp_path):
+    """vLLM's prefix cache lets a second request start on the blocks the first one loads in
+    the same step: both read the failed block and are named readers and then repaired;
+    only the one vLLM makes recompute it dumps it again."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    cold, store = _scheduler(model_dir, str(tmp_path))
+    prompt = list(range(500, 500 + PROMPT))
+    cold.add_request(_request("cold", prompt, max_tokens=1))
+    _step(cold, store)
+    sched, _ = _scheduler(model_dir, str(tmp_path), prefix_caching=True, store=store)
+    sched.add_request(_request("a", prompt, max_tokens=4))
+    sched.add_request(_request("b", prompt, max_tokens=4))
+    out = sched.schedule()
+    plan = out.kv_connector_metadata.plan
+    blocks = _blocks_of(sched, "a")
+    assert [t.req_id for t in plan.loads] == ["a"] and _blocks_of(sched, "b")[:5] == blocks[:5]
+    assert plan.readers == {"a": set(blocks[:5]), "b": set(blocks[:5])}
+    ids = list(out.num_scheduled_tokens)
+    sched.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+            kv_connector_output=KVConnectorOutput(invalid_block_ids={blocks[1]}),
+        ),
+    )
+    side = sched.connector.scheduler
+    # vLLM recomputes the shared block in "a": "a" is set back to it, "b" only to its first
+    # block of its own (the ones after the shared prefix, whose dumps the workers skipped)
+    assert side._reqs["a"].stored == 1 and side._reqs["b"].stored == 5
+    plan, _ = _step(sched, store)
+    assert plan.repaired == {"a", "b"}  # both read it: the workers dump them again
+    assert [list(t.blocks) for t in plan.dumps if t.req_id == "a"] == [blocks[1:5]]
+    assert not [t for t in plan.dumps if t.req_id == "b" and set(t.blocks.tolist()) & set(blocks[:5])]

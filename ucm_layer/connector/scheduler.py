@@ -255,20 +255,35 @@ class SchedulerSide:
 
     def load_failed(self, block_ids: Collection[int]) -> int:
         """Engine blocks whose load failed in a past step (vLLM's ``invalid_block_ids``):
-        every tracked request whose stored prefix holds one forgets that the blocks from
-        the first of them on are stored, so they are dumped again once recomputed.
-        Returns the number of blocks set back (also counted as ``repair_blocks``)."""
+        every tracked request whose stored prefix holds one is named ``repaired`` in the
+        next plan and forgets that its blocks from the first failed one on are stored, so
+        they are dumped again once recomputed. Like vLLM, a failed block that several
+        requests share (its prefix cache) is recomputed by the first of them only: the
+        others are set back only to their first block that request does not hold (their
+        own blocks after it, whose dumps the workers skipped), so none of them dumps a
+        shared block before it is recomputed. Returns the number of blocks set back (also
+        counted as ``repair_blocks``)."""
         bad = set(block_ids)
         if not bad:
             return 0
         total = 0
+        claimed: set[int] = set()  # failed blocks a request set back will recompute
+        recomputing: set[int] = set()  # the blocks of those requests
         for st in self._reqs.values():
-            first = next((i for i, b in enumerate(st.block_ids[: st.stored]) if b in bad), None)
-            if first is None:
+            held = [i for i, b in enumerate(st.block_ids[: st.stored]) if b in bad]
+            if not held:
                 continue
+            self._repaired.add(st.view.req_id)
+            mine = [i for i in held if st.block_ids[i] not in claimed]
+            if mine:
+                first = mine[0]
+                claimed.update(st.block_ids[i] for i in held)
+                recomputing.update(st.block_ids)
+            else:
+                tail = range(held[0], st.stored)
+                first = next((i for i in tail if st.block_ids[i] not in recomputing), st.stored)
             total += st.stored - first
             st.stored = first
-            self._repaired.add(st.view.req_id)
         if total:
             self.stats.add(repair_blocks=total)
         return total
