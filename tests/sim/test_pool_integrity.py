@@ -91,6 +91,14 @@ def _check_every_object(c, keys: list[str], size: int) -> int:
     return seen
 
 
+def _teardown(proc: subprocess.Popen, c, d: Daemon) -> None:
+    if proc.poll() is None:  # a stopped writer must be continued before it can die
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+    c.close()
+    assert d.stop() == 0
+
+
 def _fenced(c) -> int:
     return sum(w.get("fenced", 0) for w in c.info()["capacity"])
 
@@ -119,11 +127,7 @@ def test_stopped_writer_wakes_after_its_lease_and_lands_on_nobody(tmp_path, isol
         more = _fill(c, "after", 8, MiB)  # the space is usable again
         assert _check_every_object(c, more, MiB) == 8
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-        c.close()
-        assert d.stop() == 0
+        _teardown(proc, c, d)
     assert segments(isolated_shm) == []
 
 
@@ -149,11 +153,7 @@ def test_restart_fences_what_the_previous_daemon_handed_out(tmp_path, isolated_s
             time.sleep(0.2)
         assert _fenced(c) == 0
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-        c.close()
-        assert d2.stop() == 0
+        _teardown(proc, c, d2)
     assert segments(isolated_shm) == []
 
 
