@@ -159,7 +159,7 @@ def ensure(pool: AutoPool) -> PoolLocation:
                 pid = daemon_pid(sock)
                 if pid is not None and pid != proc.pid:  # one started by hand meanwhile won
                     return PoolLocation(sock, pid, started=False)
-                log.info(
+                log.debug(
                     "kvfabric: started the node's pool daemon %r (pid %d, %d MiB, socket %s, exits "
                     "%s; log %s.log)",
                     pool.name,

@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+from daemon_exit import gone, wait_gone
 from kvf_testing import segments
 
 from kvfabric.pool import connect
@@ -25,24 +26,6 @@ def runtime(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv("KVFABRIC_PLATFORM", "sim")
     return tmp_path
-
-
-def _gone(pid: int | None) -> bool:
-    """The process exited (a zombie counts as exited: it holds nothing)."""
-    if pid is None:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def _wait_gone(pid: int | None, sock: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not (_gone(pid) and not os.path.exists(sock)):
-        assert time.monotonic() < deadline, f"pool daemon {pid} still there after {timeout} s"
-        time.sleep(0.05)
 
 
 def _race(pool: AutoPool, env: dict, barrier, out) -> None:
@@ -76,7 +59,7 @@ def test_racing_processes_start_exactly_one_daemon(runtime, isolated_shm):
     assert sum(1 for started, _, _ in got if started) == 1, got
     assert len({pid for _, pid, _ in got}) == 1 and len({epoch for _, _, epoch in got}) == 1, got
     pid = got[0][1]
-    _wait_gone(pid, pool.path)  # every racer has exited: the daemon goes after its grace
+    wait_gone(pid, pool.path)  # every racer has exited: the daemon goes after its grace
     assert segments(isolated_shm) == []
 
 
@@ -88,15 +71,15 @@ def test_daemon_exits_after_its_last_client_and_not_before(runtime, isolated_shm
     try:
         client.put("k", b"v" * 100)
         time.sleep(3 * pool.exit_when_idle_s)  # a client connected: idle never starts
-        assert not _gone(loc.pid) and client.get("k") == b"v" * 100
+        assert not gone(loc.pid) and client.get("k") == b"v" * 100
         again = ensure(pool)
         assert not again.started and again.pid == loc.pid
     finally:
         client.close()
-    _wait_gone(loc.pid, loc.socket)
+    wait_gone(loc.pid, loc.socket)
     assert segments(isolated_shm) == []
     assert ensure(pool).started  # the next one starts a fresh daemon
-    _wait_gone(daemon_pid(pool.path), pool.path)
+    wait_gone(daemon_pid(pool.path), pool.path)
 
 
 def test_daemon_without_idle_grace_stays_until_sigterm(runtime, isolated_shm):
@@ -107,7 +90,7 @@ def test_daemon_without_idle_grace_stays_until_sigterm(runtime, isolated_shm):
         assert probe(loc.socket) is not None
     finally:
         os.kill(loc.pid, signal.SIGTERM)
-    _wait_gone(loc.pid, loc.socket)
+    wait_gone(loc.pid, loc.socket)
     assert segments(isolated_shm) == []
 
 

@@ -7,10 +7,16 @@ given inline override the file's):
 ``store``              store pipeline, e.g. ``"cache|pool"`` (default when the ``pool``
                        store is registered), ``"cache|posix"`` (default otherwise), ``"posix"``
 ``pool_address``       the pool daemon: its Unix socket path (``/...``, same node) or
-                       ``host:port`` (TCP); unset: the pool is embedded in the process
+                       ``host:port`` (TCP); ``"auto"``: the node-local daemon the first
+                       process starts and the others join (``kvfabric.pool.autostart``);
+                       ``"embedded"``: a pool inside the process. Unset: ``embedded`` when
+                       the engine is one process (scheduler and worker together), ``auto``
+                       when it spans several (vLLM's multiprocessing executor, TP > 1)
+``pool_idle_exit_s``   an auto-started daemon exits this long after its last client left
+                       (default 30; 0: it stays until SIGTERM)
 ``posix_path``         directory of the ``posix`` store (default: ``<KVFABRIC_CACHE_DIR>/kv``)
 ``cache_bytes``        capacity of the ``cache`` tier, e.g. ``"2GiB"``
-``pool_bytes``         capacity of an embedded pool, e.g. ``"8GiB"``
+``pool_bytes``         capacity of an embedded or auto-started pool, e.g. ``"8GiB"``
 ``store_options``      mapping passed verbatim to the stores (their own keys)
 ``delegator``          gather a block's pieces into one transfer: ``true``, ``false`` or
                        ``"auto"`` (default: on where the KV cache is device memory, off where
@@ -49,6 +55,8 @@ from kvfabric.settings import coerce_fields
 log = logging.getLogger("kvfabric.connector")
 
 _logged: set[str] = set()
+AUTO, EMBEDDED = "auto", "embedded"  # pool_address values that name no daemon
+POOL_PLACES = (AUTO, EMBEDDED)
 _log_lock = threading.Lock()
 
 
@@ -61,6 +69,7 @@ class ConnectorConfig:
     posix_path: str = ""
     cache_bytes: int = 1 << 30
     pool_bytes: int = 4 << 30
+    pool_idle_exit_s: float = 30.0
     store_options: Mapping[str, Any] = field(default_factory=dict)
     delegator: bool | None = None  # None: auto (see resolved())
     staging_blocks: int = 128
@@ -79,13 +88,17 @@ class ConnectorConfig:
         if any(not n or not n.replace("_", "").isalnum() for n in names):
             raise ValueError(f"kvfabric config 'store' {self.store!r} is not a pipeline like 'cache|posix'")
         object.__setattr__(self, "store", "|".join(names))
-        if self.pool_address is not None and not str(self.pool_address).startswith("/"):
+        if self.pool_address is not None and not (
+            str(self.pool_address).startswith("/") or self.pool_address in POOL_PLACES
+        ):
             host, sep, port = str(self.pool_address).rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(
-                    "kvfabric config 'pool_address' must be a socket path ('/...') or 'host:port', "
-                    f"got {self.pool_address!r}"
+                    "kvfabric config 'pool_address' must be a socket path ('/...'), 'host:port', "
+                    f"'auto' or 'embedded', got {self.pool_address!r}"
                 )
+        if self.pool_idle_exit_s < 0:
+            raise ValueError(f"kvfabric config 'pool_idle_exit_s' must be >= 0, got {self.pool_idle_exit_s}")
         if self.staging_blocks < 1:
             raise ValueError(f"kvfabric config 'staging_blocks' must be >= 1, got {self.staging_blocks}")
         if self.load_timeout_s <= 0:
@@ -101,6 +114,20 @@ class ConnectorConfig:
         if self.delegator is not None:
             return self
         return replace(self, delegator=not kv_on_host)
+
+    def placed(self, one_process: bool) -> ConnectorConfig:
+        """This config with an unset ``pool_address`` decided: ``embedded`` when the engine
+        is one process, else ``auto`` (one node-local daemon for all its processes). Also
+        unchanged when ``store_options`` names a daemon itself (``pool.socket`` / ``pool.tcp``)."""
+        if self.pool_address is not None or "pool" not in self.stores:
+            return self
+        if any(self.store_options.get(k) for k in ("pool.socket", "pool.tcp")):
+            return self
+        return replace(self, pool_address=EMBEDDED if one_process else AUTO)
+
+    @property
+    def pool_name(self) -> str:
+        return str(self.store_options.get("pool.name") or "default")
 
     @property
     def stores(self) -> tuple[str, ...]:
@@ -207,6 +234,7 @@ _PARSERS = {
     "cache_bytes": _as_size,
     "pool_bytes": _as_size,
     "load_timeout_s": _as_float,
+    "pool_idle_exit_s": _as_float,
 }
 
 

@@ -36,7 +36,7 @@ from kvfabric.ucm_layer.connector.scheduler import SchedulerSide
 from kvfabric.ucm_layer.connector.tracing import Tracer
 from kvfabric.ucm_layer.connector.worker import WorkerSide
 from kvfabric.ucm_layer.kv_layout import layout_from_tensors
-from kvfabric.ucm_layer.store.base import Store, StoreLayout
+from kvfabric.ucm_layer.store.base import StoreLayout
 
 log = logging.getLogger("kvfabric.connector")
 
@@ -126,6 +126,15 @@ def _block_bytes_guess(kv_cache_config: Any) -> int:
     return max(total, 1)
 
 
+def _index_layout(kv_cache_config: Any, layerwise: bool) -> StoreLayout:
+    """The layout the scheduler's index checks: a shard per layer when layer-wise (a block
+    counts once every layer is stored), one otherwise; sizes only matter to a store
+    registered without an index."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    layers = sum(len(g.layer_names) for g in groups)
+    return StoreLayout((_block_bytes_guess(kv_cache_config),), num_shards=max(layers, 1) if layerwise else 1)
+
+
 class KVFabricConnector(compat.KVConnectorBase_V1):
     """The kvfabric KV connector (see module docstring)."""
 
@@ -136,10 +145,16 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
             super().__init__(vllm_config=vllm_config, role=role)
         kvt = vllm_config.kv_transfer_config
         self.info = compat.engine_info(vllm_config, kv_cache_config)
-        self.cfg = load_config(kvt.kv_connector_extra_config).resolved(self.info.device_type == "cpu")
+        self.one_process = stores.one_process(vllm_config)  # scheduler and worker together
+        self.cfg = (
+            load_config(kvt.kv_connector_extra_config)
+            .resolved(self.info.device_type == "cpu")
+            .placed(self.one_process)
+        )
         self.is_scheduler = compat.is_scheduler(role)
         self.cfg.log_once("scheduler" if self.is_scheduler else "worker")
         check_engine(self.info)
+        stores.check_shared(self.cfg, self.one_process)
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
                 "kvfabric: kv_load_failure_policy is %r; set it to 'recompute' so a block that fails "
@@ -162,8 +177,7 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         )
         self._tracer = Tracer(self.cfg.otlp_endpoint)
         self._kv_cache_config = kv_cache_config
-        self._lookup_store: Store | None = None
-        self._own_lookup_store = False
+        self._index: stores.SchedulerIndex | None = None
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if self.is_scheduler:
@@ -211,14 +225,12 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         return None
 
     def _lookup_prefix(self, ids: Any) -> int:
-        if self._lookup_store is None:
-            found = stores.find(self.cfg)
-            if found is None:
-                layout = StoreLayout((_block_bytes_guess(self._kv_cache_config),))
-                found = stores.acquire(self.cfg, self.platform, layout)
-                self._own_lookup_store = True
-            self._lookup_store = found
-        return self._lookup_store.lookup_prefix(ids)
+        """The scheduler's lookups: an index of the shared tier, or this process's worker
+        store (``stores.SchedulerIndex``); never a store of its own."""
+        if self._index is None:
+            layout = _index_layout(self._kv_cache_config, self.cfg.layerwise)
+            self._index = stores.SchedulerIndex(self.cfg, self.platform, layout)
+        return self._index.lookup_prefix(ids)
 
     def _plan(self) -> StepPlan | None:
         meta = self._connector_metadata
@@ -292,9 +304,8 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
             self.worker.close()
             if store is not None:
                 stores.release(store)
-        if self._own_lookup_store and self._lookup_store is not None:
-            stores.release(self._lookup_store)
-        self._lookup_store = None
+        if self._index is not None:
+            self._index.close()
 
     # ------------------------------------------------------------------ scheduler role
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
