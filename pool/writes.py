@@ -95,25 +95,28 @@ class Writer:
     # ------------------------------------------------------------------ fence, writer's half
     def _leases_ok(self, kb: list[bytes]) -> np.ndarray:
         """Whether each allocated key may still be copied into: renews the leases past
-        ``RENEW_AT``; False once a lease is within its margin of running out (or unknown)."""
+        ``RENEW_AT``; False once a lease is within its margin of running out (or unknown).
+        Plain Python: a batch is a handful of keys, and this runs before every copy."""
         c = self.c
         lease_s = c.write_lease_s
+        cutoff = lease_s - lease_margin(lease_s)
         now = time.monotonic()
         with self._lock:
-            sent = np.array([self.pending[k][3] if k in self.pending else -np.inf for k in kb])
-        ok = now < sent + lease_s - lease_margin(lease_s)
-        stale = ok & (now >= sent + RENEW_AT * lease_s)
-        if stale.any():
-            renew = [k for k, f in zip(kb, stale) if f]
+            sent = [e[3] if (e := self.pending.get(k)) is not None else None for k in kb]
+        ok = [t is not None and now < t + cutoff for t in sent]
+        stale = [i for i, (t, f) in enumerate(zip(sent, ok)) if f and now >= t + RENEW_AT * lease_s]
+        if stale:
+            renew = [kb[i] for i in stale]
             t = time.monotonic()
             st = c._call(p.Renew(c.client_id, renew)).status
             with self._lock:
-                for k, s in zip(renew, st):
+                for i, k, s in zip(stale, renew, st):
                     if s == Status.OK and k in self.pending:
                         g, n, gen, _ = self.pending[k]
                         self.pending[k] = (g, n, gen, t)
-            ok[np.flatnonzero(stale)[np.asarray(st) != Status.OK]] = False
-        return ok
+                    else:
+                        ok[i] = False
+        return np.array(ok, bool)
 
     def _sent_of(self, gvas: np.ndarray) -> np.ndarray:
         """For layer-wise writes: the alloc time of the pending object holding each address
