@@ -167,7 +167,12 @@ def make_engine(
     if problem:
         raise RuntimeError(problem)
     from vllm import LLM
+    from vllm import envs as vllm_envs
     from vllm.config import KVTransferConfig
+
+    # An engine core in this process freezes vLLM's environment (envs.enable_envs_cache);
+    # the next engine must read the variables set above, multiprocessing included.
+    getattr(vllm_envs, "disable_envs_cache", lambda: None)()
 
     if not tokenizer:
         logging.getLogger("vllm.renderers.base").addFilter(_WARMUP_FILTER)  # idempotent
