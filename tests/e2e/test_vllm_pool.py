@@ -2,7 +2,7 @@
 
 ``cache|pool`` with a pool embedded in the engine's process; two engine processes
 sharing one pool daemon (the second gets the first one's prefix); the pool daemon killed
-between runs (generation goes on, recomputing, with one clear warning).
+between runs (generation goes on, recomputing, with one clear warning per kind of failure).
 """
 
 from __future__ import annotations
@@ -101,8 +101,13 @@ def test_pool_daemon_killed_between_runs_recomputes_with_one_warning(tiny_model,
             eng.flush()
         assert again == [ref] * 3
         ours = [r for r in caplog.records if r.name.startswith("kvfabric") and r.levelno >= logging.WARNING]
-        assert len(ours) == 1, [f"{r.name}: {r.getMessage()}" for r in ours]
-        assert "pool" in ours[0].getMessage()
+        said = [f"{r.name}: {r.getMessage()}" for r in ours]
+        # one warning per kind of failure, however many requests meet it: the loads that
+        # failed, the store that did not answer, and (vLLM recomputes and the connector
+        # saves the repaired blocks again) the saves that failed
+        kinds = [m for m in said if "loading KV blocks" in m], [m for m in said if "storing KV blocks" in m]
+        assert [len(k) for k in kinds] == [1, 1], said
+        assert len(said) <= 3 and "'pool'" in kinds[0][0], said  # the load warning names the store
         assert not [r for r in caplog.records if r.name.startswith("kvfabric") and r.exc_info]
     finally:
         eng.close()

@@ -174,8 +174,7 @@ class PoolStore(TaskStore):
         except (ServiceUnavailable, KVFabricError) as e:
             self._unavailable(e)
             return np.zeros(n, bool)
-        self._warned = False
-        return present
+        return present  # answered from the mapped table: no sign the service is back
 
     def _start_load(self, req: Request, task: StoreTask) -> None:
         if req.n == 0:
@@ -226,6 +225,7 @@ class PoolStore(TaskStore):
                     self._unavailable(e)
                     task.set(sl, BlockStatus.FAILED)
                     continue
+            self._warned = False  # the service answered (alloc, commit): warn again if it goes
             good = (st == _OK) | (st == _EXISTS)
             task.set(sl, np.where(good, BlockStatus.OK, BlockStatus.FAILED).astype(np.int8))
 
