@@ -29,6 +29,7 @@ from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.registry import create as create_platform
 from kvfabric.platform.types import Medium
 from kvfabric.pool import table as tbl
+from kvfabric.pool.adopt import adopt_old_tables
 from kvfabric.pool.client import PoolClient, gva_config
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.dispatch import Dispatcher
@@ -168,7 +169,10 @@ class PoolNode:
             self._reserve_ranks()
         self._stage(StartStage.FABRIC)
         if self.persistent:
-            self.rebuilt = self._adopt_old_tables(rebuild=self._window_found)
+            with self.dispatcher.lock:
+                self.rebuilt = adopt_old_tables(
+                    self.service, self._name("table."), self.table.seg.name, rebuild=self._window_found
+                )
             self._tables_adopted = True
         self._stage(StartStage.ADOPTED)
 
@@ -192,79 +196,6 @@ class PoolNode:
             path = os.path.join(self._tmpdir, "rdv.sock")
         self.rdv = RendezvousServer(unix_path=path, session_ttl=self.config.session_ttl_s).start()
         return self.rdv.url
-
-    def _adopt_old_tables(self, rebuild: bool) -> int:
-        """A restart after a crash: retire the previous tables (readers then fetch the new
-        one) and, when this node's window survived, re-enter its readable objects."""
-        prefix = shm.NAMED + self._name("table.")
-        mine = self.table.seg.name
-        rebuilt = 0
-        for name in sorted(n for n in os.listdir(shm.shm_dir()) if n.startswith(prefix) and n != mine):
-            try:
-                old = tbl.attach_any(name)
-            except Exception as e:  # noqa: BLE001 - a torn or foreign segment: just remove it
-                log.warning("dropping unreadable old directory table %s: %s", name, e)
-                shm.unlink_named(name[len(shm.NAMED) :])
-                continue
-            old.retire()
-            self._fence_from(old)
-            if rebuild:
-                rebuilt += self._rebuild_from(old)
-            old.close()
-            shm.unlink_named(name[len(shm.NAMED) :])
-        if rebuilt:
-            log.warning(
-                "pool %r restarted: %d object(s) of its own window rebuilt", self.config.name, rebuilt
-            )
-        return rebuilt
-
-    def _rebuild_from(self, old: tbl.TableView) -> int:
-        import numpy as np
-
-        w = self.service.windows.get((0, Medium.DRAM))
-        if w is None:
-            return 0
-        s = old.slots
-        live = np.flatnonzero(
-            (s["hash"] != 0)
-            & (s["state"] == int(tbl.SlotState.READABLE))
-            & (s["gva"] >= w.lo)
-            & (s["gva"] + s["size"] <= w.hi)
-        )
-        keys = [old.key_of(int(i)) for i in live]
-        with self.dispatcher.lock:
-            st = self.service.reregister(
-                keys,
-                s["gva"][live].tolist(),
-                s["size"][live].tolist(),
-                s["gen"][live].tolist(),
-                s["csum"][live].tolist(),
-            )
-        return sum(1 for x in st if x == 0)
-
-    def _fence_from(self, old: tbl.TableView) -> None:
-        """Fence every extent the previous service had handed out but not published (or had
-        fenced itself): its writer may still be copying (``pool/fence.py``)."""
-        import numpy as np
-
-        s = old.slots
-        busy = (s["hash"] != 0) & np.isin(
-            s["state"], [int(tbl.SlotState.ALLOCATED), int(tbl.SlotState.REMOVING)]
-        )
-        idx = np.flatnonzero(busy)
-        if idx.size:
-            with self.dispatcher.lock:
-                n = self.service.fence.adopt(
-                    s["gva"][idx].tolist(), s["size"][idx].tolist(), self.service.clock()
-                )
-            log.warning(
-                "pool %r restarted: %d extent(s) the previous service had handed out stay fenced for %.0f s "
-                "(%d in windows not rejoined yet)",
-                self.config.name,
-                idx.size,
-                self.config.fence_grace_s,
-                idx.size - n,
-            )
 
     # ------------------------------------------------------------------ ranks across restarts
     def _ranks_path(self) -> str:
