@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvfabric.platform.shm import process_alive
 from kvfabric.ucm_layer.store.posix_files import HOST, PREFIX_DIRS
 
 log = logging.getLogger("kvfabric.store.posix")
@@ -44,22 +45,12 @@ class GcReport:
     removed_temps: int
 
 
-def _pid_dead(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
 def _stale_tmp(name: str, mtime: float, now: float, ttl: float) -> bool:
     """``<id>.<host>.<pid>.<n>.tmp``: stale if its writer is dead here, or it is too old."""
     parts = name.split(".")
     if len(parts) == 5 and parts[1] == HOST:
         try:
-            if _pid_dead(int(parts[2])):
+            if not process_alive(int(parts[2])):
                 return True
         except ValueError:
             pass
