@@ -15,14 +15,8 @@ buffer), files are read into and written from that memory directly, with no boun
   4096 and the file system accepts it (probed at start; tmpfs does not), for reads
   into and one-shard writes from the bounce area.
 * ENOSPC and every other I/O error make that block ``FAILED``; ENOSPC also wakes GC.
-* Integrity: every file ends with a trailer of per-shard xxh3 digests, computed by each
-  shard's writer over the bytes it wrote (on the host: the caller's host memory or the
-  bounce area). With ``posix.verify`` on, a load reads the shard in runs of
-  ``checksum.SEGMENT`` bytes and hashes each run while it is still in cache, then
-  compares with the trailer (read by the same ``preadv`` for one-shard blocks). A
-  mismatch, or a file of the wrong size, is ``CORRUPT``: counted, logged once, the file
-  is removed (so the next dump writes it again) and, on the bounce path, the bytes never
-  reach the caller's memory.
+* Integrity (a checksum trailer per file, verified loads, corrupt files removed): see
+  ``posix_integrity.py``.
 * Start-up: every directory must take a probe write (``DirectoryUnusable`` if not).
 """
 
@@ -60,12 +54,12 @@ from kvfabric.ucm_layer.store.posix_files import (
     BlockFiles,
     FileIO,
     PartWriter,
-    pack_trailer,
+    probe_direct,
     trailer_bytes,
-    trailer_digest,
     write_single,
 )
 from kvfabric.ucm_layer.store.posix_gc import Collector
+from kvfabric.ucm_layer.store.posix_integrity import Integrity
 from kvfabric.ucm_layer.store.task import StoreTask
 from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, dump_may_start, slot_pieces
 
@@ -119,24 +113,6 @@ class PosixConfig:
         return cls(**parse_keys("posix", cls.KEYS, config))
 
 
-def _probe_direct(dirs: tuple[str, ...]) -> bool:
-    """Whether every directory's file system accepts O_DIRECT."""
-    for d in dirs:
-        probe = os.path.join(d, f".kvf-direct-probe.{os.getpid()}")
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
-            os.close(fd)
-        except OSError as e:
-            log.warning("posix.direct: %s does not accept O_DIRECT (%s); using buffered I/O", d, e)
-            return False
-        finally:
-            try:
-                os.unlink(probe)
-            except OSError:
-                pass
-    return True
-
-
 class PosixStore(TaskStore):
     """The posix store (see module docstring)."""
 
@@ -160,7 +136,15 @@ class PosixStore(TaskStore):
         self.trailer_bytes = trailer_bytes(layout.num_shards, self.stride)
         self.file_bytes = self.data_bytes + self.trailer_bytes
         self.verify = config.verify
-        self.direct = bool(config.direct and self.stride % ALIGN == 0 and _probe_direct(self.files.dirs))
+        self.integrity = Integrity(
+            lambda path: self.io.unlink(path),  # the store's io (tests swap it)
+            lambda: self.verify is Verify.ON,
+            self.stride,
+            self.trailer_bytes,
+            self._warn,
+            self._corrupt_found,
+        )
+        self.direct = bool(config.direct and self.stride % ALIGN == 0 and probe_direct(self.files.dirs))
         # a bounce slot: the shard, then room for the trailer (aligned when the shard is)
         self.slot_bytes = -(-(self.stride + self.trailer_bytes) // ALIGN) * ALIGN
         self.chunk_blocks = max(1, min(256, config.chunk // self.slot_bytes))
@@ -251,7 +235,7 @@ class PosixStore(TaskStore):
         """Shard bytes of ``path`` at ``offset`` into ``views`` and, unless ``trailer`` is None
         (verify off), the file's trailer into ``trailer`` (``trailer_bytes``, aligned for
         O_DIRECT; read by the same ``preadv`` when it follows the shard). Returns the status
-        and the file's (device, inode), for :meth:`_drop`. A file of the wrong size is dropped
+        and the file's (device, inode), for ``Integrity.drop``. A file of the wrong size is dropped
         here (``CORRUPT``); checking the digest is the caller's."""
         try:
             fd = self.io.open_read(path, direct)
@@ -264,7 +248,7 @@ class PosixStore(TaskStore):
             st = os.fstat(fd)
             ident = (st.st_dev, st.st_ino)
             if st.st_size != self.file_bytes:
-                return self._drop(
+                return self.integrity.drop(
                     path, ident, f"{path} has {st.st_size} B, expected {self.file_bytes}"
                 ), ident
             if trailer is not None and self.layout.num_shards == 1:
@@ -285,42 +269,12 @@ class PosixStore(TaskStore):
         finally:
             self.io.close(fd)
 
-    def _drop(self, path: str, ident: tuple[int, int], what: str) -> BlockStatus:
-        """A block file that failed verification: remove it (unless it was replaced since it
-        was read) so the next dump writes it again; count and report it."""
-        try:
-            st = os.stat(path)
-            if (st.st_dev, st.st_ino) == ident:
-                self.io.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            self._warn("drop", "posix store: cannot remove corrupt block file %s: %s", path, e)
-        self._corrupt_found(1, what)
-        return CORRUPT
-
-    def _trailer_buf(self) -> memoryview | None:
-        return memoryview(bytearray(self.trailer_bytes)) if self.verify is Verify.ON else None
-
-    def _checked(
-        self,
-        st: BlockStatus,
-        got: int,
-        trailer: memoryview | None,
-        shard: int,
-        path: str,
-        ident: tuple[int, int],
-    ) -> BlockStatus:
-        """``st`` of a read whose shard bytes digest to ``got``, against its trailer."""
-        if st is not OK or trailer is None or got == trailer_digest(trailer, shard):
-            return st
-        return self._drop(path, ident, f"{path} (shard {shard})")
-
     def _load_chunk(self, ctx: WorkerContext, sl: slice, task: StoreTask, req: Request, host: bool) -> None:
         paths = self.files.paths(req.ids[sl])
         offset = req.shard * self.stride
         sizes = self._sizes.tolist()
         if host or self._scatter_ok(req):  # straight into the caller's host memory, no bounce
+            trailer = self.integrity.buffer()  # one per chunk: read and checked block by block
             for j, path in enumerate(paths):
                 with task.guard() as ok:
                     if not ok:
@@ -328,17 +282,16 @@ class PosixStore(TaskStore):
                     row = req.addrs[sl.start + j].tolist()
                     # one contiguous shard, or host pieces (one preadv per block, no extra copy)
                     ranges = [(int(row[0]), self.stride)] if host else list(zip(row, sizes))
-                    trailer = self._trailer_buf()
                     views = [host_view(a, n) for a, n in ranges]
                     st, ident = self._read(path, views, offset, False, trailer)
                     got = digest_views(views) if st is OK and trailer is not None else 0
-                    st = self._checked(st, got, trailer, req.shard, path, ident)
+                    st = self.integrity.checked(st, got, trailer, req.shard, path, ident)
                     task.set(sl.start + j, st)
                     if st is OK and got:
                         task.record_digest(sl.start + j, got)
             return
         bounce = ctx.scratch.numpy()
-        verify = self.verify is Verify.ON
+        verify = self.integrity.on
         got = np.zeros(len(paths), bool)
         idents: list[tuple[int, int]] = [(0, 0)] * len(paths)
         for j, path in enumerate(paths):
@@ -368,7 +321,7 @@ class PosixStore(TaskStore):
                         req.addrs[sl][idx],
                         src,
                         self._piece_sizes(idx.size),
-                        lambda: [digest_range(int(b), self.stride) for b in bases.tolist()] if verify else [],
+                        lambda: self.integrity.slot_digests(bases),
                     )
                     or []
                 )
@@ -380,7 +333,7 @@ class PosixStore(TaskStore):
                 if verify:
                     base = j * self.slot_bytes + self.stride
                     trailer = memoryview(bounce[base : base + self.trailer_bytes])
-                    st = self._checked(OK, digests[q], trailer, req.shard, paths[j], idents[j])
+                    st = self.integrity.checked(OK, digests[q], trailer, req.shard, paths[j], idents[j])
                 else:
                     st = OK
                 task.set(sl.start + j, st)
@@ -430,11 +383,7 @@ class PosixStore(TaskStore):
             base = q * self.slot_bytes
             digest = digest_range(ctx.scratch.ptr + base, self.stride)
             if self.layout.num_shards == 1:  # data and trailer in one (O_DIRECT-able) write
-                end = base + self.stride + self.trailer_bytes
-                bounce[base + self.stride : end] = np.frombuffer(
-                    pack_trailer([digest], self.trailer_bytes), np.uint8
-                )
-                whole = memoryview(bounce[base:end])
+                whole = self.integrity.seal(bounce, base, digest)
                 self._write(paths[j], whole, req.shard, task, sl.start + j, digest, self.direct, True)
             else:
                 view = memoryview(bounce[base : base + self.stride])
@@ -455,7 +404,7 @@ class PosixStore(TaskStore):
         the block visible when complete."""
         try:
             if self.layout.num_shards == 1:
-                trailer = None if sealed else pack_trailer([digest], self.trailer_bytes)
+                trailer = None if sealed else self.integrity.trailer(digest)
                 tmp = write_single(self.io, final, view, direct, self.config.fsync, trailer)
                 with task.guard() as ok:
                     if ok:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import itertools
+import logging
 import os
 import socket
 import struct
@@ -51,6 +52,8 @@ PREFIX_DIGITS = 3
 PREFIX_DIRS = 16**PREFIX_DIGITS  # 4096
 ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and memory
 MAGIC = b"KVFSUM01"  # the trailer's first bytes (format version 1: xxh3-64 per shard)
+log = logging.getLogger("kvfabric.store.posix")
+
 HOST = socket.gethostname().replace(".", "_") or "host"
 _counter = itertools.count()
 
@@ -160,6 +163,24 @@ def check_writable(directory: str) -> None:
             f"posix store: directory {directory!r} cannot be written ({e}): every save would fail; "
             "fix posix.dirs (a writable directory with free space) before starting"
         ) from e
+
+
+def probe_direct(dirs: Sequence[str]) -> bool:
+    """Whether every directory's file system accepts O_DIRECT."""
+    for d in dirs:
+        probe = os.path.join(d, f".kvf-direct-probe.{os.getpid()}")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+            os.close(fd)
+        except OSError as e:
+            log.warning("posix.direct: %s does not accept O_DIRECT (%s); using buffered I/O", d, e)
+            return False
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+    return True
 
 
 class BlockFiles:
