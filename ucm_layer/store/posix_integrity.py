@@ -7,7 +7,8 @@ memory or the bounce area). With ``posix.verify`` on, a load reads the shard in 
 ``checksum.SEGMENT`` bytes and hashes each run while it is still in cache, then compares
 with the trailer (read by the same ``preadv`` for one-shard blocks). A mismatch, or a file
 of the wrong size, is ``CORRUPT``: counted, logged once, the file is removed (so the next
-dump writes it again) and, on the bounce path, the bytes never reach the caller's memory.
+dump writes it again). Its destination may hold the bad bytes (the bounce path hashes the
+bounce area while the copy to the caller runs): like any failure, it must not be used.
 """
 
 from __future__ import annotations
