@@ -118,23 +118,21 @@ class Writer:
                         ok[i] = False
         return np.array(ok, bool)
 
-    def _sent_of(self, gvas: np.ndarray) -> np.ndarray:
-        """For layer-wise writes: the alloc time of the pending object holding each address
-        (leases past ``RENEW_AT`` renewed first); -inf where no pending object holds it."""
+    def _may_write(self, gvas: np.ndarray) -> np.ndarray:
+        """For layer-wise writes: whether each address lies in a pending object whose lease
+        still allows a copy (``_leases_ok``, which renews the ones past ``RENEW_AT``)."""
         with self._lock:
-            keys = sorted(self.pending, key=lambda k: self.pending[k][0])
-            lo = np.array([self.pending[k][0] for k in keys], np.uint64)
-            hi = lo + np.array([self.pending[k][1] for k in keys], np.uint64)
-        if not keys:
-            return np.full(gvas.size, -np.inf)
+            held = sorted((e[0], e[0] + e[1], k) for k, e in self.pending.items())
+        if not held:
+            return np.zeros(gvas.size, bool)
+        lo = np.array([h[0] for h in held], np.uint64)
+        hi = np.array([h[1] for h in held], np.uint64)
         i = np.maximum(np.searchsorted(lo, gvas, side="right") - 1, 0)
         inside = (gvas >= lo[i]) & (gvas < hi[i])
-        held = [keys[j] for j in np.unique(i[inside]).tolist()]
-        ok = self._leases_ok(held)
-        with self._lock:
-            sent = {k: self.pending[k][3] for k, f in zip(held, ok) if f and k in self.pending}
-        t = np.array([sent.get(k, -np.inf) for k in keys])
-        return np.where(inside, t[i], -np.inf)
+        used = np.unique(i[inside])
+        fresh = np.zeros(len(held), bool)
+        fresh[used] = self._leases_ok([held[j][2] for j in used.tolist()])
+        return inside & fresh[i]
 
     def _seal(self, gva: int, size: int, ranges: list[tuple[int, int]] | None) -> int:
         """The object's checksum: over the window where it is mapped here, else over the
@@ -149,8 +147,7 @@ class Writer:
         if not (g.size == src.size == n.size):
             raise ValueError(f"write: {g.size} gvas, {src.size} ptrs, {n.size} sizes")
         self.c.dp.check_user(src, n)
-        lease_s = self.c.write_lease_s
-        late = time.monotonic() >= self._sent_of(g) + lease_s - lease_margin(lease_s)
+        late = ~self._may_write(g)
         if late.any():
             self.abandoned += 1
             raise LeaseExpired(
