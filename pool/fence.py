@@ -85,19 +85,27 @@ class WriteFence:
         self._adopted: list[tuple[int, int, float]] = []  # (gva, size, deadline), window not here yet
 
     # ------------------------------------------------------------------ fencing
-    def close(self, slot: int, key: bytes, lease: WriteLease, now: float) -> None:
-        """The write lease of ``key`` (in ``slot``, ALLOCATED) expired: fence its space."""
-        self.table.remove(slot)
-        self._add(lease.client, key, lease.gva, lease.size, lease.pid, now + self.grace_s)
-        self.counters.fences += 1
-        log.warning(
-            "pool key %r: its write lease expired before the commit; its %d B stay fenced until "
-            "the writer (client %s) is done%s",
-            key.decode(errors="replace"),
-            lease.size,
-            lease.client,
-            f" or its process {lease.pid} is gone" if lease.pid else f" or {self.grace_s:.0f} s have passed",
-        )
+    def close(self, expired: list[tuple[bytes, WriteLease]], now: float) -> None:
+        """Write leases expired before their commit (their slots still ALLOCATED, same
+        generation): fence their space, and say so in one line per writer."""
+        by_writer: dict[tuple[str, int], list[int]] = {}
+        for key, lease in expired:
+            hit = self.table.find(key)  # looked up here: each removal may move other slots
+            if hit is None:
+                continue
+            self.table.remove(hit.slot)
+            self._add(lease.client, key, lease.gva, lease.size, lease.pid, now + self.grace_s)
+            by_writer.setdefault((lease.client, lease.pid), []).append(lease.size)
+        self.counters.fences += len(expired)
+        for (client, pid), sizes in by_writer.items():
+            log.warning(
+                "pool: %d write lease(s) of client %s expired before the commit; their %d B stay "
+                "fenced until the writer is done%s",
+                len(sizes),
+                client,
+                sum(sizes),
+                f" or its process {pid} is gone" if pid else f" or {self.grace_s:.0f} s have passed",
+            )
 
     def _add(self, client: str, key: bytes, gva: int, size: int, pid: int, deadline: float) -> Fence:
         tomb = FENCE_PREFIX + gva.to_bytes(8, "little")

@@ -115,12 +115,15 @@ class Upkeep:
     def tick(self) -> None:
         """Expire write leases (space reclaimed), read leases and TTLs."""
         now = self.clock()
+        expired = []
         for key in [k for k, lease in self.write_leases.items() if lease.expires < now]:
             lease = self.write_leases.pop(key)
             hit = self.table.find(key)
             if hit is not None and hit.gen == lease.gen and hit.state == SlotState.ALLOCATED:
-                self.fence.close(hit.slot, key, lease, now)
+                expired.append((key, lease))
             self.counters.expired_leases += 1
+        if expired:
+            self.fence.close(expired, now)
         self.fence.sweep(now)
         for lid in [i for i, lease in self.read_leases.items() if lease.expires < now]:
             self._end_read_lease(lid)
