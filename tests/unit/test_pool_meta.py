@@ -267,3 +267,17 @@ def test_remove_does_not_see_a_put_in_flight(env):
     assert svc.remove_all() == 0
     assert svc.commit("w", [b"k"], [True]) == [Status.OK]
     assert svc.remove([b"k"]) == [Status.OK] and svc.exists([b"k"]) == [False]
+
+
+def test_many_leases_expiring_in_one_tick_are_all_fenced(env):
+    """Fencing removes slots, which moves others (backward shift): every key still fenced."""
+    svc, clock = env
+    keys = [f"batch{i}".encode() for i in range(40)]
+    svc.alloc("stalled", keys, [KiB] * len(keys))
+    clock.t += 6
+    svc.tick()
+    assert all(state(svc, k) is None for k in keys)
+    assert len(fenced(svc)) == len(keys) and svc.counters.fences == len(keys)
+    assert svc.windows[(0, Medium.DRAM)].alloc.used == len(keys) * KiB
+    assert svc.commit("stalled", keys, [True] * len(keys)) == [Status.LEASE_EXPIRED] * len(keys)
+    assert fenced(svc) == [] and svc.windows[(0, Medium.DRAM)].alloc.used == 0
