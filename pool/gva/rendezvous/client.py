@@ -5,7 +5,7 @@ matched by a reader thread, so a thread blocked in ``get``/``watch`` does not ho
 others. The client says its pid in its ``hello`` (the server checks it against ``/proc``
 before trusting it, see ``peer.py``).
 
-Liveness (see ``server.py`` for how the server judges it): a heartbeat thread sends a
+Liveness (see ``liveness.py`` for how the server judges it): a heartbeat thread sends a
 keep-alive frame every ``ttl / 3`` seconds without waiting for any answer, so a slow
 server cannot stretch the gap between two beats; the reader thread answers the server's
 probes itself, at once. Any request counts as a sign of life too.

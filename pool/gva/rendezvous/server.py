@@ -7,23 +7,12 @@ foreground. It binds 127.0.0.1 (or a Unix socket) only. Data lives in memory onl
 restarted server starts empty.
 
 Sessions: each connection is one session; its ephemeral keys are deleted when it ends.
-A session ends
-
-* at once when its connection closes: the client closed it, or its process died (the
-  kernel closes the sockets of a dead process);
-* when it stays silent and its process cannot show it is alive. *Any* frame counts as a
-  sign of life (clients send a keep-alive every ``session_ttl / 3`` and answer probes from
-  their reader thread). After ``session_ttl`` of silence the server sends a probe; if
-  nothing arrives within ``probe_grace`` it looks at the peer process itself
-  (``peer.py``: its pid from ``SO_PEERCRED``, or the pid a TCP client claimed and whose
-  process holds that connection): stopped (SIGSTOP), a zombie or gone ends the session
-  (a hung process is noticed after ``session_ttl + probe_grace``); running, sleeping or in
-  the kernel (starved of CPU, or its GIL held by a long C call) keeps it, probing again
-  every ``probe_grace``, up to ``max_silence`` of silence in all. A peer whose process
-  cannot be seen (another host, no ``/proc``) ends at ``session_ttl + probe_grace``.
-* Time during which the server's own loop did not run (its process starved, or its GIL
-  held by another thread) is not counted as anybody's silence: the loop measures how late
-  its ticks are and credits every session with the delay.
+A session ends at once when its connection closes (the client closed it, or its process
+died: the kernel closes the sockets of a dead process), or when it stays silent and its
+process cannot show it is alive: ``liveness.py`` holds that judgement (probe after
+``session_ttl``, look at the peer process after ``probe_grace``, give up after
+``max_silence``, and never count the server's own stalls as a peer's silence); this
+module runs it on every tick and sends the probes and closes the sessions it ends.
 """
 
 from __future__ import annotations
@@ -31,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import enum
 import logging
 import os
 import threading
@@ -41,7 +29,8 @@ from typing import Any
 
 from kvfabric.errors import KeyNotFound
 from kvfabric.pool.gva.rendezvous.base import WatchEvent, check_key, check_value
-from kvfabric.pool.gva.rendezvous.peer import ProcState, peer_pid, process_state
+from kvfabric.pool.gva.rendezvous.liveness import Liveness, SilenceRules, Verdict
+from kvfabric.pool.gva.rendezvous.liveness import Session as _Session
 from kvfabric.pool.gva.rendezvous.protocol import (
     BEAT_OP,
     DECODER,
@@ -59,49 +48,6 @@ log = logging.getLogger("kvfabric.gva.rendezvous")
 DEFAULT_SESSION_TTL = 10.0  # seconds of silence before a session is probed (sized for a loaded 2-core box)
 
 
-class Liveness(enum.Enum):
-    """Where a session stands in the server's judgement (see module docstring)."""
-
-    TALKING = "talking"  # a frame arrived within session_ttl
-    PROBED = "probed"  # silent past session_ttl: a probe was sent, waiting probe_grace
-    KEPT = "kept"  # the probe went unanswered but the process is alive: probing again
-
-
-class _Session:
-    __slots__ = (
-        "claimed_pid",
-        "id",
-        "last_seen",
-        "pid",
-        "pid_known",
-        "probed_at",
-        "state",
-        "tasks",
-        "writer",
-    )
-
-    def __init__(self, sid: int, writer: asyncio.StreamWriter) -> None:
-        self.id = sid
-        self.writer = writer
-        self.last_seen = time.monotonic()
-        self.state = Liveness.TALKING
-        self.probed_at = 0.0
-        self.claimed_pid: int | None = None  # what a TCP client said in its hello
-        self.pid: int | None = None
-        self.pid_known = False  # pid resolved (to a number or to "cannot be seen")
-        self.tasks: set[asyncio.Task[Any]] = set()
-
-    def heard(self, now: float) -> Liveness:
-        """A frame arrived: the session is talking again; returns the state it left."""
-        was, self.state, self.last_seen = self.state, Liveness.TALKING, now
-        return was
-
-    def credit(self, seconds: float, now: float) -> None:
-        """The server did not run for ``seconds``: do not count them as this peer's silence."""
-        self.last_seen = min(now, self.last_seen + seconds)
-        self.probed_at = min(now, self.probed_at + seconds)
-
-
 class RendezvousServer:
     """The single-node rendezvous store (see module docstring)."""
 
@@ -116,20 +62,11 @@ class RendezvousServer:
         max_silence: float | None = None,
         history: int = 65536,
     ) -> None:
-        if session_ttl <= 0:
-            raise ValueError(f"session_ttl must be > 0 seconds, got {session_ttl}")
         self.host, self.port, self.unix_path = host, int(port), unix_path
-        self.session_ttl = float(session_ttl)
-        self.probe_grace = max(1.0, self.session_ttl / 2) if probe_grace is None else float(probe_grace)
-        if self.probe_grace <= 0:
-            raise ValueError(f"probe_grace must be > 0 seconds, got {probe_grace}")
-        self.max_silence = 6.0 * self.session_ttl if max_silence is None else float(max_silence)
-        if self.max_silence < self.session_ttl + self.probe_grace:
-            raise ValueError(
-                f"max_silence ({self.max_silence} s) must be at least session_ttl + probe_grace "
-                f"({self.session_ttl + self.probe_grace} s)"
-            )
-        self._tick = min(self.session_ttl / 4, self.probe_grace / 2, 1.0)
+        self.rules = SilenceRules(session_ttl, probe_grace, max_silence)
+        self.session_ttl = self.rules.session_ttl
+        self.probe_grace = self.rules.probe_grace
+        self.max_silence = self.rules.max_silence
         self.state = StoreState(history)
         self.state.listeners.append(self._on_change)
         self._waiters: list[tuple[str, bool, asyncio.Future[None]]] = []
@@ -232,66 +169,24 @@ class RendezvousServer:
 
     # ------------------------------------------------------------------ sessions
     async def _expire_sessions(self) -> None:
+        tick = self.rules.tick
         prev = time.monotonic()
         while True:
-            await asyncio.sleep(self._tick)
+            await asyncio.sleep(tick)
             now = time.monotonic()
-            late, prev = now - prev - self._tick, now
-            if late > self._tick / 2:
-                # This loop did not run for a while (its process starved, or the GIL held by
-                # another thread): frames may be waiting unread. Nobody was silent meanwhile;
-                # judge on a later tick, once the loop has caught up with its sockets.
+            late, prev = self.rules.late(now - prev), now
+            if late:  # the loop did not run: frames may be waiting unread; nobody was silent
                 for s in list(self._sessions.values()):
                     s.credit(late, now)
                 continue
             for s in list(self._sessions.values()):
-                self._judge(s, now)
-
-    def _judge(self, s: _Session, now: float) -> None:
-        silent = now - s.last_seen
-        if silent < self.session_ttl:
-            return
-        if s.state is Liveness.TALKING:
-            self._probe(s, now)
-            return
-        if now - s.probed_at < self.probe_grace:
-            return
-        state = self._peer_state(s)
-        if state.alive and silent < self.max_silence:
-            if s.state is Liveness.PROBED:
-                log.warning(
-                    "rendezvous session %d silent for %.1f s but its process %d is %s: kept "
-                    "(up to %.0f s of silence)",
-                    s.id,
-                    silent,
-                    s.pid,
-                    state.value,
-                    self.max_silence,
-                )
-            self._probe(s, now)
-            s.state = Liveness.KEPT
-            return
-        log.warning(
-            "rendezvous session %d silent for %.1f s, probe unanswered, its process %s is %s: dropped",
-            s.id,
-            silent,
-            s.pid if s.pid is not None else "(unknown)",
-            state.value,
-        )
-        s.writer.close()
-        self._end_session(s)
-
-    def _probe(self, s: _Session, now: float) -> None:
-        """Ask a silent session to speak (its client's reader thread answers with a beat)."""
-        s.state, s.probed_at = Liveness.PROBED, now
-        if not s.writer.is_closing():
-            s.writer.write(PROBE)
-
-    def _peer_state(self, s: _Session) -> ProcState:
-        if not s.pid_known:
-            s.pid = peer_pid(s.writer.get_extra_info("socket"), s.claimed_pid)
-            s.pid_known = True
-        return process_state(s.pid)
+                verdict = self.rules.judge(s, now)
+                if verdict is Verdict.PROBE:  # its client's reader thread answers with a beat
+                    if not s.writer.is_closing():
+                        s.writer.write(PROBE)
+                elif verdict is Verdict.DROP:
+                    s.writer.close()
+                    self._end_session(s)
 
     def _end_session(self, s: _Session) -> None:
         if self._sessions.pop(s.id, None) is None:
