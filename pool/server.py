@@ -28,12 +28,12 @@ import logging
 import os
 import resource
 import socket
-import struct
 import threading
 from multiprocessing.connection import Connection, Listener
 
 from kvfabric.pool import protocol as p
 from kvfabric.pool.dispatch import Dispatcher
+from kvfabric.pool.gva.rendezvous.peer import peer_pid
 from kvfabric.pool.rpc import spin_poll
 
 log = logging.getLogger("kvfabric.pool.server")
@@ -217,18 +217,10 @@ class RpcServer:
 def _peer_pid(conn: Connection) -> int:
     """The peer's process on a Unix socket (SO_PEERCRED); 0 over TCP or when unknown."""
     try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            return peer_pid(sock, None) or 0
     except OSError:
         return 0
-    try:
-        if sock.family != socket.AF_UNIX:
-            return 0
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return int(struct.unpack("3i", creds)[0])
-    except OSError:
-        return 0
-    finally:
-        sock.close()
 
 
 def _wake(address: object) -> None:
