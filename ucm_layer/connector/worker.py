@@ -45,8 +45,9 @@ from kvfabric.platform.stream import Event
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer import hashing
 from kvfabric.ucm_layer.connector.config import ConnectorConfig
-from kvfabric.ucm_layer.connector.metrics import StatsWindow, failure_counter, failure_reason
+from kvfabric.ucm_layer.connector.metrics import StatsWindow
 from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
+from kvfabric.ucm_layer.connector.repair import LoadFailures
 from kvfabric.ucm_layer.connector.tracing import Tracer
 from kvfabric.ucm_layer.delegator import Delegator, DumpOp, LoadOp
 from kvfabric.ucm_layer.kv_layout import KVLayout, layout_from_tensors
@@ -99,10 +100,7 @@ class WorkerSide:
         self._layer_dump_rows: tuple[np.ndarray, np.ndarray, list[Transfer]] | None = None
         self._dumps: dict[str, list[DumpOp]] = {}
         self._awaiting: set[str] = set()
-        self._failed: set[int] = set()
-        self._readers: dict[str, set[int]] = {}  # requests on blocks loaded this step (plan)
-        self._begun: StepPlan | None = None  # the plan of this step, once a hook saw it
-        self._poisoned: set[str] = set()  # requests whose load failed, until repaired
+        self._failures = LoadFailures()
         self._load_trouble = False
         self._save_trouble = False
         if cfg.sparse:
@@ -192,18 +190,9 @@ class WorkerSide:
         return np.concatenate([t.ids for t in items]), np.concatenate([t.blocks for t in items])
 
     # ------------------------------------------------------------------ loads
-    def _begin(self, plan: StepPlan) -> None:
-        """Once per plan, in whichever hook sees it first: vLLM calls ``start_load`` after
-        the forward (and so after ``save_layer``) when the step has no synchronous load."""
-        if plan is self._begun:
-            return
-        self._begun, self._readers = plan, plan.readers
-        if self._poisoned:
-            self._poisoned -= plan.repaired | plan.finished
-
     def start_load(self, plan: StepPlan) -> None:
         self._layer_loads.clear()
-        self._begin(plan)
+        self._failures.begin(plan)
         if not plan.loads or self.delegator is None or not self.can_load:
             return
         ids, blocks = self._join(plan.loads)
@@ -283,16 +272,8 @@ class WorkerSide:
         """Remember ``blocks`` for vLLM to recompute and count them, by reason: their store
         ``status`` (None: the load raised, reason ``error``). A block that fails in several
         layers of one step counts once."""
-        new = np.array([int(b) not in self._failed for b in blocks], dtype=bool)
-        self._failed.update(int(b) for b in blocks)
-        failed = {int(b) for b in blocks}
-        self._poisoned.update(r for r, reads in self._readers.items() if not reads.isdisjoint(failed))
-        codes = np.full(blocks.size, -1, np.int64) if status is None else np.asarray(status, np.int64)
-        reasons: dict[str, int] = {}
-        for code in codes[new]:
-            counter = failure_counter(failure_reason(int(code)))
-            reasons[counter] = reasons.get(counter, 0) + 1
-        self.stats.add(load_failed_blocks=int(new.sum()), **reasons)
+        reasons = self._failures.record(blocks, status)
+        self.stats.add(load_failed_blocks=sum(reasons.values()), **reasons)
         if not self._load_trouble:
             log.warning(
                 "kvfabric: loading KV blocks from the store %r failed (%s: %s); vLLM recomputes them "
@@ -304,22 +285,15 @@ class WorkerSide:
             self._load_trouble = True
 
     def failed_blocks(self) -> set[int]:
-        out, self._failed = self._failed, set()
-        return out
+        return self._failures.take()
 
     # ------------------------------------------------------------------ saves
-    def _dumpable(self, dumps: list[Transfer]) -> list[Transfer]:
-        """The planned dumps but those of requests whose load failed (see ``start_load``)."""
-        if not self._poisoned:
-            return dumps
-        return [t for t in dumps if t.req_id not in self._poisoned]
-
     def save_layer(self, layer_name: str, plan: StepPlan | None) -> None:
         if not self.cfg.layerwise or plan is None or not plan.dumps or not self.can_save:
             return
         layer = self._layer_index.get(layer_name)
-        self._begin(plan)
-        items = self._dumpable(plan.dumps)
+        self._failures.begin(plan)
+        items = self._failures.dumpable(plan.dumps)
         if layer is None or self.delegator is None or not items:
             return
         if self._layer_dump_rows is None or self._layer_dump_rows[2] is not items:
@@ -332,8 +306,8 @@ class WorkerSide:
         self._layer_dump_rows = None
         if plan is None:
             return
-        self._begin(plan)
-        items = self._dumpable(plan.dumps)
+        self._failures.begin(plan)
+        items = self._failures.dumpable(plan.dumps)
         if items and not self.cfg.layerwise and self.can_save and self.delegator is not None:
             ids, blocks = self._join(items)
             self._start_dumps(items, self._tag(ids), blocks, None)
