@@ -53,3 +53,13 @@ def _no_leftover_daemons() -> Iterator[None]:
     helper = sys.modules.get("pool_testing")
     if helper is not None:
         helper.kill_leftovers()
+
+
+@pytest.fixture
+def plat() -> Iterator[object]:
+    """A sim platform, closed after the test."""
+    from kvfabric.platform.registry import create
+
+    p = create("sim")
+    yield p
+    p.close()

@@ -9,20 +9,12 @@ import pytest
 import torch
 from mem_store import MemStore
 
-from kvfabric.platform.registry import create
 from kvfabric.ucm_layer import hashing
 from kvfabric.ucm_layer.connector.config import ConnectorConfig
 from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
 from kvfabric.ucm_layer.connector.worker import WorkerSide
 
 NB, L = 12, 3
-
-
-@pytest.fixture
-def plat():
-    p = create("sim")
-    yield p
-    p.close()
 
 
 def _caches(seed):

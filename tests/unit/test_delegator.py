@@ -7,20 +7,12 @@ import pytest
 import torch
 from mem_store import MemStore
 
-from kvfabric.platform.registry import create
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.delegator import Delegator
 from kvfabric.ucm_layer.kv_layout import layout_from_tensors
 from kvfabric.ucm_layer.store.base import BlockStatus
 
 NB, L = 16, 6
-
-
-@pytest.fixture
-def plat():
-    p = create("sim")
-    yield p
-    p.close()
 
 
 def _cache(seed: int) -> dict[str, torch.Tensor]:
