@@ -125,7 +125,7 @@ def test_shared_cache_lives_in_shared_memory_and_goes_with_close(plat, isolated_
 
 
 def test_a_slot_that_fails_verification_is_dropped_and_reused(plat):
-    from stores import plant_flip
+    from store_faults import plant_flip
 
     c = cache(plat, 4)
     ids = random_ids(4, 40)

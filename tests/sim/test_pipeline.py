@@ -8,18 +8,8 @@ import time
 
 import numpy as np
 import pytest
-from stores import (
-    LAYOUT,
-    Blocks,
-    FullDiskIO,
-    StallingIO,
-    block_bytes,
-    build_store,
-    dump_blocks,
-    load_checked,
-    plant_flip,
-    random_ids,
-)
+from store_faults import FullDiskIO, StallingIO, plant_flip
+from stores import LAYOUT, Blocks, block_bytes, build_store, dump_blocks, load_checked, random_ids
 
 from kvfabric.platform.sim import SimPlatform
 from kvfabric.ucm_layer.store.base import BlockStatus

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stores import FLIP_AT, Blocks, block_bytes, plant_flip, random_ids
+from store_faults import FLIP_AT, plant_flip
+from stores import Blocks, block_bytes, random_ids
 
 from kvfabric.platform.checksum import Verify
 from kvfabric.platform.sim import SimPlatform

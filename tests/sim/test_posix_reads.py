@@ -8,7 +8,8 @@ import time
 
 import numpy as np
 import pytest
-from stores import LAYOUT, Blocks, SlowReadIO, block_bytes, dump_blocks, random_ids
+from store_faults import SlowReadIO
+from stores import LAYOUT, Blocks, block_bytes, dump_blocks, random_ids
 
 from kvfabric.platform.sim import SimPlatform
 from kvfabric.platform.types import Medium

@@ -15,16 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stores import (
-    LAYOUT,
-    Blocks,
-    FullDiskIO,
-    StallingIO,
-    block_bytes,
-    child_dump_forever,
-    dump_blocks,
-    random_ids,
-)
+from store_faults import FullDiskIO, StallingIO, child_dump_forever
+from stores import LAYOUT, Blocks, block_bytes, dump_blocks, random_ids
 
 from kvfabric.platform.sim import SimPlatform
 from kvfabric.ucm_layer.hashing import to_hex

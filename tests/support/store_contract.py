@@ -11,16 +11,8 @@ import numpy as np
 import pytest
 from platforms import build
 from store_contract_failures import *  # noqa: F403  (part 2 of the suite)
-from stores import (
-    FLIP_AT,
-    LAYOUT,
-    Blocks,
-    block_bytes,
-    build_store,
-    plant_flip,
-    random_ids,
-    stop_pool_daemons,
-)
+from store_faults import FLIP_AT, plant_flip
+from stores import LAYOUT, Blocks, block_bytes, build_store, random_ids, stop_pool_daemons
 
 from kvfabric.platform.types import Medium
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout

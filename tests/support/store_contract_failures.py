@@ -10,19 +10,8 @@ import time
 
 import numpy as np
 import pytest
-from stores import (
-    LAYOUT,
-    PERSISTENT,
-    Blocks,
-    block_bytes,
-    blocked_event,
-    build_store,
-    child_dump_forever,
-    clear_faults,
-    fail_copies,
-    lowest,
-    random_ids,
-)
+from store_faults import blocked_event, child_dump_forever, clear_faults, fail_copies
+from stores import LAYOUT, PERSISTENT, Blocks, block_bytes, build_store, lowest, random_ids
 
 from kvfabric.ucm_layer.store.base import BlockStatus
 
