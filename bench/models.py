@@ -221,3 +221,40 @@ def smollm2() -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ModelUnavailable(f"converting {path.name} failed: {type(e).__name__}: {e}") from e
     return _publish(tmp, final)
+
+
+def tiny_hybrid(seed: int = 0) -> Path:
+    """A random-weight Gemma3 text model directory mixing sliding-window and full attention.
+
+    Four layers alternate ``sliding_attention`` (window 64 tokens) and ``full_attention``,
+    so vLLM's hybrid KV cache manager splits them into two KV cache groups (created once
+    per seed).
+    """
+    final = models_dir() / f"tiny-hybrid-s{seed}"
+    if (final / "config.json").exists():
+        return final
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=8192,
+        initializer_range=0.3,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg).to(torch.float32)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=models_dir()))
+    model.save_pretrained(tmp, safe_serialization=True)
+    return _publish(tmp, final)
