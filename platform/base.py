@@ -55,6 +55,9 @@ class Platform(BackendPrimitives):
     """A device runtime seen through one contract (see the module docstring)."""
 
     name: ClassVar[str] = "abstract"
+    #: Whether :meth:`record_external` works: True where the platform runs on a device
+    #: runtime whose streams other libraries (torch) also hold raw handles to.
+    supports_external_streams: ClassVar[bool] = False
 
     def __init__(self, device: int = 0) -> None:
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
@@ -290,6 +293,40 @@ class Platform(BackendPrimitives):
         ev = Event(self, handle)
         weakref.finalize(ev, self._event_destroy, handle)
         return ev
+
+    def framework_stream(self) -> Any | None:
+        """The raw handle of the ML framework's *current* stream on this platform's device
+        (the stream a torch forward on this device queued its kernels on), read now; None
+        where there is no such stream to order after: the work is synchronous on the host
+        (sim), or the framework never initialised this device, so it queued nothing.
+
+        Read it right before :meth:`record_external` and never cache it: the current stream
+        can change between steps, and some frameworks (torch_npu) drain their host-side
+        task queue when the handle is read."""
+        return None
+
+    def record_external(self, stream_handle: Any) -> Event:
+        """A new :class:`Event` recorded on a stream this platform did not create, given by
+        its raw runtime handle (CUDA: the ``cudaStream_t`` as an int, e.g. torch's
+        ``current_stream().cuda_stream``, 0 being the legacy default stream; ACL: the
+        ``aclrtStream``). The event completes when the work queued on that stream so far
+        has; a stream of this platform orders after it with ``Stream.wait_event``. The
+        stream must belong to this platform's device and stay alive until the event
+        completes. No host synchronisation. ``NotImplementedError`` where
+        :attr:`supports_external_streams` is False."""
+        self._check_open()
+        if not self.supports_external_streams:
+            raise NotImplementedError(f"{self._where()} has no external streams to record on")
+        if stream_handle is None or isinstance(stream_handle, bool):
+            raise TypeError(f"record_external needs a raw stream handle, got {stream_handle!r}")
+        ev = self.event()
+        self._call("event record on an external stream", self._event_record_external, ev, stream_handle)
+        return ev
+
+    def _event_record_external(self, event: Event, stream_handle: Any) -> None:
+        """Record ``event`` on the raw stream ``stream_handle`` (backends that set
+        :attr:`supports_external_streams`)."""
+        raise NotImplementedError(f"{self._where()} has no external streams to record on")
 
     def _close_stream(self, stream: Stream) -> None:
         self._streams.discard(stream)

@@ -257,6 +257,11 @@ class AclRuntime:
     def event_destroy(self, event: Any) -> None:
         self._ok("aclrtDestroyEvent", self._lib.aclrtDestroyEvent(event))
 
+    def external_stream(self, handle: Any) -> Any:
+        """An ``aclrtStream`` for a stream ACL made for someone else (torch_npu's
+        ``npu_stream`` int, or a cffi pointer), usable wherever this runtime takes one."""
+        return self._ffi.cast("aclrtStream", handle)
+
     def event_record(self, event: Any, stream: Any) -> None:
         self._ok("aclrtRecordEvent", self._lib.aclrtRecordEvent(event, stream))
 

@@ -134,6 +134,10 @@ class CupyRuntime:
     def event_destroy(self, event: Any) -> None:
         self._rt.eventDestroy(event)
 
+    def external_stream(self, handle: Any) -> int:
+        """A ``cudaStream_t`` another library made (torch's ``cuda_stream`` int): as is."""
+        return int(handle)
+
     def event_record(self, event: Any, stream: Any) -> None:
         self._rt.eventRecord(event, stream)
 

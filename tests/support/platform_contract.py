@@ -193,6 +193,69 @@ def test_event_orders_two_streams(plat):
     assert ev.query()
 
 
+def test_record_external_orders_a_stream_it_did_not_make(plat):
+    """An event recorded through a raw stream handle orders a platform stream after it."""
+    if not plat.supports_external_streams:
+        with pytest.raises(NotImplementedError):
+            plat.record_external(0)
+        assert plat.framework_stream() is None
+        return
+    n = 1 << 18
+    a, b, c = (plat.alloc(n, m) for m in (Medium.DRAM, Medium.HBM, Medium.DRAM))
+    put(plat, a, pattern(n, 9))
+    put(plat, c, np.zeros(n, np.uint8))
+    s1, s2 = plat.stream(), plat.stream()
+    plat.copy(b, a, stream=s1)
+    ev = plat.record_external(s1.handle)  # s1 stands in for a framework's stream
+    s2.wait_event(ev)
+    plat.copy(c, b, stream=s2)
+    s2.synchronize()
+    assert np.array_equal(c.numpy(), pattern(n, 9))
+    ev.synchronize()
+    assert ev.query()
+    with pytest.raises(TypeError, match="raw stream handle"):
+        plat.record_external(None)
+
+
+def test_platform_on_another_device_index(spec):
+    """A platform built for a device index binds it (the runtime's current device, the
+    buffers' device); a device that does not exist is refused."""
+    from kvfabric.platform import registry
+
+    name = spec.split("-")[0]
+    cls = registry.platform_class(name)
+    make = cls
+    if spec.endswith("-fake"):
+        from fake_runtime import HostRuntime
+
+        count = 2
+
+        def make(device):
+            return cls(device=device, runtime=HostRuntime(devices=count))
+    elif name == "sim":
+        count = 2  # sim has no device limit
+    else:
+        if "-" in spec:
+            pytest.skip(f"{spec} is a single-device fake")
+        probe = build(spec)
+        count = len(probe.info().devices)
+        probe.close()
+    if count < 2:
+        pytest.skip(f"{name} sees {count} device(s); device 1 needs two")
+    with make(device=1) as p:
+        assert p.device == 1 and repr(p).endswith(":1)")
+        assert getattr(getattr(p, "runtime", None), "device", 1) == 1
+        buf = p.alloc(4096, Medium.HBM)
+        assert buf.device == 1
+        put(p, buf, pattern(4096, 10))
+        assert np.array_equal(get(p, buf), pattern(4096, 10))
+    if name != "sim":
+        with pytest.raises(ValueError, match="does not exist"):
+            make(device=count)
+    with pytest.raises(ValueError, match="device must be an index"):
+        make(device=-1)
+
+
 def test_failed_copy_is_reported_on_synchronize(plat):
     a, b = plat.alloc(4096, Medium.DRAM), plat.alloc(4096, Medium.HBM)
     s = plat.stream()
