@@ -35,8 +35,15 @@ def model_dir() -> str:
 
 
 def _scheduler(
-    model_dir: str, store_dir: str, prefix_caching: bool = False, store: StoreLookups | None = None
+    model_dir: str,
+    store_dir: str,
+    prefix_caching: bool = False,
+    store: StoreLookups | None = None,
+    role: str = "kv_both",
+    **extra,
 ):
+    """vLLM's scheduler with the connector; ``extra`` are kvfabric config keys (synchronous
+    loads unless it says otherwise)."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -63,7 +70,12 @@ def _scheduler(
             async_scheduling=False,
             is_encoder_decoder=False,
         ),
-        kv_transfer_config=KVTransferConfig(**kvfabric_transfer_config("posix", store_dir)),
+        kv_transfer_config=KVTransferConfig(
+            **{
+                **kvfabric_transfer_config("posix", store_dir, **{"async_load": False, **extra}),
+                "kv_role": role,
+            }
+        ),
         device_config=DeviceConfig("cpu"),
     )
     vc.cache_config.num_gpu_blocks = NUM_BLOCKS
@@ -78,18 +90,27 @@ def _scheduler(
     return sched, store
 
 
-def _request(rid: str, tokens: list[int], max_tokens: int = 2):
+def _request(rid: str, tokens: list[int], max_tokens: int = 2, params: dict | None = None):
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=None)
+    if params is not None:
+        sp.extra_args = {"kv_transfer_params": params}
     return Request(rid, tokens, sp, None, block_hasher=get_request_block_hasher(BS, sha256))
 
 
-def _step(sched, store, *, invalid: set[int] | None = None, sending: set[str] | None = None):
+def _step(
+    sched,
+    store,
+    *,
+    invalid: set[int] | None = None,
+    sending: set[str] | None = None,
+    recving: set[str] | None = None,
+):
     """One engine step: schedule, then the model output (one sampled token per request)
     with the worker's report. The plan's dumps count as stored. Returns (plan, outputs)."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -102,7 +123,9 @@ def _step(sched, store, *, invalid: set[int] | None = None, sending: set[str] | 
         req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[[7] for _ in ids],
         kv_connector_output=KVConnectorOutput(
-            invalid_block_ids=set(invalid or ()), finished_sending=set(sending or ()) or None
+            invalid_block_ids=set(invalid or ()),
+            finished_sending=set(sending or ()) or None,
+            finished_recving=set(recving or ()) or None,
         ),
     )
     outputs = sched.update_from_output(out, mro)
@@ -236,3 +259,129 @@ def test_a_request_sharing_a_failed_block_through_the_prefix_cache_is_set_back_t
     assert plan.repaired == {"a", "b"}  # both read it: the workers dump them again
     assert [list(t.blocks) for t in plan.dumps if t.req_id == "a"] == [blocks[1:5]]
     assert not [t for t in plan.dumps if t.req_id == "b" and set(t.blocks.tolist()) & set(blocks[:5])]
+
+
+def test_an_async_load_keeps_its_request_waiting_and_a_failed_block_is_recomputed(model_dir, tmp_path):
+    """``async_load``: the load is planned (``async_loads``) while the request waits in
+    vLLM; another request keeps being scheduled meanwhile; the worker's report of the
+    finished load with one failed block makes vLLM compute from that block, and the next
+    plan dumps it (and those after it) again."""
+    sched, store = _scheduler(model_dir, str(tmp_path), async_load=True)
+    prompt = list(range(700, 700 + PROMPT))
+    sched.add_request(_request("cold", prompt, max_tokens=1))
+    plan, _ = _step(sched, store)
+    stored_ids = plan.dumps[0].ids.copy()
+    _step(sched, store, sending={"cold"})
+
+    sched.add_request(_request("other", list(range(2000, 2000 + BS + 2)), max_tokens=8))
+    _step(sched, store)  # "other" is running
+    sched.add_request(_request("warm", prompt, max_tokens=4))
+    plan, _ = _step(sched, store)
+    assert not plan.loads and [t.req_id for t in plan.async_loads] == ["warm"]
+    assert np.array_equal(plan.async_loads[0].ids, stored_ids)
+    blocks = list(plan.async_loads[0].blocks)
+    from vllm.v1.request import RequestStatus
+
+    assert sched.requests["warm"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    out = sched.schedule()  # the load is in flight: only "other" steps
+    assert set(out.num_scheduled_tokens) == {"other"}
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    sched.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=["other"],
+            req_id_to_index={"other": 0},
+            sampled_token_ids=[[7]],
+            kv_connector_output=KVConnectorOutput(finished_recving={"warm"}, invalid_block_ids={blocks[3]}),
+        ),
+    )
+    plan, _ = _step(sched, store)  # "warm" computes from its failed block
+    assert plan.repaired == {"warm"}
+    assert [list(t.blocks) for t in plan.dumps if t.req_id == "warm"] == [blocks[3:5]]
+    assert np.array_equal(next(t for t in plan.dumps if t.req_id == "warm").ids, stored_ids[3:5])
+
+
+def test_a_pd_consumer_waits_for_the_announced_blocks_then_loads_them(model_dir, tmp_path):
+    """P/D: the producer's ``request_finished`` hands its decode engine ``kv_transfer_params``
+    (``do_remote_prefill`` and, under ``kvfabric``, the blocks it stored and the fingerprint
+    of their ids); the consumer is not scheduled while the store lacks them (vLLM asks again
+    each step), and loads every one once they are visible."""
+    prompt = list(range(900, 900 + PROMPT))
+    prod, store = _scheduler(model_dir, str(tmp_path), role="kv_producer")
+    prod.add_request(_request("p", prompt, max_tokens=1, params={"do_remote_decode": True}))
+    out = prod.schedule()
+    plan = out.kv_connector_metadata.plan
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    outputs = prod.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=["p"], req_id_to_index={"p": 0}, sampled_token_ids=[[7]], kv_connector_output=KVConnectorOutput()
+        ),
+    )
+    params = next(o for eo in outputs.values() for o in eo.outputs if o.request_id == "p").kv_transfer_params
+    assert params["do_remote_prefill"] is True and params["kvfabric"]["blocks"] == 5
+    assert params["kvfabric"]["fingerprint"] == prod.connector.scheduler.fingerprint
+
+    cons, _ = _scheduler(model_dir, str(tmp_path), store=store, role="kv_consumer", async_load=True)
+    cons.add_request(_request("d", prompt, max_tokens=4, params=params))
+    for _ in range(3):  # the producer's dumps are not visible yet
+        p2, _ = _step(cons, store)
+        assert not p2.async_loads and "d" not in cons.running
+    import time
+
+    store.add(plan.dumps[0].ids[:3])  # three of five visible: still waiting
+    time.sleep(0.01)  # a waiting consumer asks the store at most every 5 ms
+    p2, _ = _step(cons, store)
+    assert not p2.async_loads
+    store.add(plan.dumps[0].ids)
+    time.sleep(0.01)
+    p2, _ = _step(cons, store)
+    assert [(t.req_id, t.blocks.size) for t in p2.async_loads] == [("d", 5)]
+
+
+def test_a_pd_consumer_stops_waiting_after_pd_wait_s_and_uses_what_is_there(model_dir, tmp_path):
+    import time
+
+    prompt = list(range(1100, 1100 + PROMPT))
+    cons, store = _scheduler(model_dir, str(tmp_path), role="kv_consumer", async_load=True, pd_wait_s=0.3)
+    from kvfabric.ucm_layer import hashing
+
+    side = cons.connector.scheduler
+    params = {"do_remote_prefill": True, "kvfabric": {"blocks": 5, "fingerprint": side.fingerprint}}
+    cons.add_request(_request("d", prompt, max_tokens=2, params=params))
+    plan, _ = _step(cons, store)
+    assert not plan.async_loads and not plan.dumps
+    st = side._reqs["d"]
+    store.add(hashing.untag(st.ids[:2]))  # only two blocks ever arrive
+    time.sleep(0.35)
+    plan, _ = _step(cons, store)
+    assert [(t.req_id, t.blocks.size) for t in plan.async_loads] == [("d", 2)]
+    # a hand-off from an engine with other block ids is not waited for
+    other = {"do_remote_prefill": True, "kvfabric": {"blocks": 5, "fingerprint": "0" * 16}}
+    cons.add_request(_request("x", list(range(1300, 1300 + PROMPT)), max_tokens=4, params=other))
+    plan, _ = _step(cons, store)
+    assert "x" in {r.request_id for r in cons.running}  # scheduled at once, computed here
+    assert not [t for t in plan.async_loads if t.req_id == "x"]
+
+
+def test_an_async_load_whose_every_block_failed_is_computed_not_loaded_again(model_dir, tmp_path):
+    """vLLM frees a request whose async load failed from its first block and looks it up
+    again: the connector must not claim the failed blocks a second time (the store may
+    still list them), or the request would load and fail for ever."""
+    sched, store = _scheduler(model_dir, str(tmp_path), async_load=True)
+    prompt = list(range(1500, 1500 + PROMPT))
+    sched.add_request(_request("cold", prompt, max_tokens=1))
+    _step(sched, store)
+    _step(sched, store, sending={"cold"})
+    sched.add_request(_request("warm", prompt, max_tokens=2))
+    plan, _ = _step(sched, store)
+    blocks = set(plan.async_loads[0].blocks.tolist())
+    plan, _ = _step(sched, store, recving={"warm"}, invalid=blocks)  # every block failed
+    for _ in range(4):
+        assert not plan.async_loads and not plan.loads
+        if any(t.req_id == "warm" for t in plan.dumps):
+            break
+        plan, _ = _step(sched, store)
+    assert [t.blocks.size for t in plan.dumps if t.req_id == "warm"] == [5]  # computed, stored again

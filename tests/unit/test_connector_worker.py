@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -141,3 +142,80 @@ def test_one_load_span_per_request(plat):
     assert loads["b"].attributes["blocks"] == 0
     assert [s.name for s in exporter.get_finished_spans()].count("kvfabric.dump") == 1
     w.close()
+
+
+def _posix_worker(plat, tmp_path, io=None, **cfg):
+    """A worker over a real posix store (``io``: its file I/O, to plant faults)."""
+    from kvfabric.ucm_layer.store.posix import PosixConfig, PosixStore
+
+    made: list = []
+
+    def factory(layout):
+        s = PosixStore(PosixConfig(dirs=(str(tmp_path / "kv"),), io_threads=1), platform=plat, layout=layout)
+        if io is not None:
+            s.io = io
+        made.append(s)
+        return s
+
+    w = WorkerSide(
+        ConnectorConfig(store="posix", posix_path=str(tmp_path / "kv"), **cfg), plat, factory, rank=0
+    )
+    return w, made
+
+
+def test_async_loads_finish_in_finished_loads_with_their_bytes(plat, tmp_path):
+    src, dst = _caches(3), {k: torch.zeros_like(v) for k, v in _caches(3).items()}
+    a, _ = _posix_worker(plat, tmp_path)
+    a.register(src, NB)
+    ids = _ids(3, 8)
+    a.wait_for_save(StepPlan(dumps=[Transfer("r1", ids, np.array([0, 1, 2]))]))
+    a._reap(block=True)
+    b, _ = _posix_worker(plat, tmp_path, async_load=True)
+    b.register(dst, NB)
+    b.start_load(StepPlan(async_loads=[Transfer("r2", ids, np.array([5, 6, 7]))]))
+    done: set[str] = set()
+    for _ in range(400):
+        done |= b.finished_loads()
+        if done:
+            break
+        import time
+
+        time.sleep(0.005)
+    assert done == {"r2"} and b.loading == 0 and b.failed_blocks() == set()
+    for name in src:
+        assert torch.equal(dst[name][5:8], src[name][0:3])
+    assert b.finished_loads() == set()  # reported once
+    a.close(), b.close()
+
+
+def test_an_async_load_past_load_timeout_s_is_cancelled_and_its_blocks_fail(plat, tmp_path):
+    """A stalled store read: the request is reported finished once ``load_timeout_s``
+    passed, its unread blocks fail (vLLM recomputes them), and the stalled reads, released
+    afterwards, write nothing into the KV cache."""
+    import time
+
+    from store_faults import SlowReadIO
+
+    src, dst = _caches(4), {k: torch.zeros_like(v) for k, v in _caches(4).items()}
+    slow = SlowReadIO()
+    a, _ = _posix_worker(plat, tmp_path)
+    a.register(src, NB)
+    ids = _ids(4, 9)
+    a.wait_for_save(StepPlan(dumps=[Transfer("r1", ids, np.array([0, 1, 2, 3]))]))
+    a._reap(block=True)
+    b, _ = _posix_worker(plat, tmp_path, io=slow, async_load=True, load_timeout_s=0.3)
+    b.register(dst, NB)
+    b.start_load(StepPlan(async_loads=[Transfer("r2", ids, np.array([8, 9, 10, 11]))]))
+    assert slow.started.wait(10)
+    assert b.finished_loads() == set() and b.loading == 1  # not yet: before the deadline
+    time.sleep(0.35)
+    threading.Timer(0.05, slow.release.set).start()  # the read running at the cancel ends
+    assert b.finished_loads() == {"r2"}
+    failed = b.failed_blocks()
+    assert failed and failed <= {8, 9, 10, 11}
+    assert b.stats.totals.get("load_failed_timeout", 0) >= 1
+    time.sleep(0.3)  # nothing writes the failed blocks afterwards
+    for name in dst:
+        for blk in failed:
+            assert not dst[name][blk].any()
+    a.close(), b.close()

@@ -107,7 +107,14 @@ def request_view(request: Any) -> ReqView:
     prompt = getattr(request, "num_prompt_tokens", None)
     if prompt is None:
         prompt = len(getattr(request, "prompt_token_ids", None) or [])
-    return ReqView(request.request_id, _HashView(hashes), int(request.num_tokens), int(prompt))
+    params = getattr(request, "kv_transfer_params", None)
+    return ReqView(
+        request.request_id,
+        _HashView(hashes),
+        int(request.num_tokens),
+        int(prompt),
+        params if isinstance(params, dict) else None,
+    )
 
 
 def block_ids_of(blocks: Any) -> list[int]:

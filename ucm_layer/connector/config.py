@@ -30,6 +30,13 @@ given inline override the file's):
                        in vLLM it only logs that decode attention stays dense; engines that
                        call the ``UcmSparseBase`` hooks build the algorithm by this name
 ``load_timeout_s``     a load not finished by then is a failed load (default 60)
+``async_load``         load a request's prefix off the forward's thread: vLLM keeps the
+                       request waiting until its blocks are in place while the other
+                       requests keep stepping (default ``"auto"``: on, unless ``layerwise``,
+                       whose loads overlap the forward layer by layer)
+``pd_wait_s``          disaggregated prefill: how long a consumer waits for the blocks a
+                       producer announced in ``kv_transfer_params`` to become visible
+                       before it computes what is missing (default 30)
 ``otlp_endpoint``      OpenTelemetry collector URL; spans are exported only when set
                        (``OTEL_EXPORTER_OTLP_ENDPOINT`` also counts)
 ``platform``           kvfabric platform name (default: detection)
@@ -76,6 +83,8 @@ class ConnectorConfig:
     layerwise: bool = False
     sparse: str | None = None
     load_timeout_s: float = 60.0
+    async_load: bool | None = None  # None: auto (see resolved())
+    pd_wait_s: float = 30.0
     otlp_endpoint: str | None = None
     platform: str | None = None
     config_file: str | None = None
@@ -103,17 +112,21 @@ class ConnectorConfig:
             raise ValueError(f"kvfabric config 'staging_blocks' must be >= 1, got {self.staging_blocks}")
         if self.load_timeout_s <= 0:
             raise ValueError(f"kvfabric config 'load_timeout_s' must be > 0, got {self.load_timeout_s}")
+        if self.pd_wait_s < 0:
+            raise ValueError(f"kvfabric config 'pd_wait_s' must be >= 0, got {self.pd_wait_s}")
         if not isinstance(self.store_options, Mapping):
             raise TypeError("kvfabric config 'store_options' must be a mapping")
 
     def resolved(self, kv_on_host: bool) -> ConnectorConfig:
-        """This config with ``delegator`` decided: ``auto`` is on unless the KV cache is host
-        memory. The switch is not part of the block ids: on or off, a store keeps a block's
+        """This config with ``delegator`` and ``async_load`` decided: the Delegator's
+        ``auto`` is on unless the KV cache is host memory; ``async_load``'s is on unless
+        loads are layer-wise. The switch is not part of the block ids: on or off, a store keeps a block's
         pieces in the same order (see docs/hashing.md), so blocks dumped one way load the
         other way."""
-        if self.delegator is not None:
-            return self
-        return replace(self, delegator=not kv_on_host)
+        out = self if self.async_load is not None else replace(self, async_load=not self.layerwise)
+        if out.delegator is not None:
+            return out
+        return replace(out, delegator=not kv_on_host)
 
     def placed(self, one_process: bool) -> ConnectorConfig:
         """This config with an unset ``pool_address`` decided: ``embedded`` when the engine
@@ -228,6 +241,8 @@ def _as_sparse(key: str, v: Any) -> str | None:
 
 _PARSERS = {
     "delegator": _as_auto_bool,
+    "async_load": _as_auto_bool,
+    "pd_wait_s": _as_float,
     "layerwise": _as_bool,
     "sparse": _as_sparse,
     "staging_blocks": _as_int,

@@ -29,7 +29,7 @@ from kvfabric.platform import registry as platform_registry
 from kvfabric.platform.base import Platform
 from kvfabric.platform.stream import Event
 from kvfabric.ucm_layer import hashing
-from kvfabric.ucm_layer.connector import compat, metrics, stores
+from kvfabric.ucm_layer.connector import compat, devices, metrics, stores
 from kvfabric.ucm_layer.connector.config import ConnectorConfig, load_config
 from kvfabric.ucm_layer.connector.plan import StepPlan
 from kvfabric.ucm_layer.connector.scheduler import SchedulerSide
@@ -161,8 +161,15 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
                 "to load is recomputed instead of failing the request",
                 kvt.kv_load_failure_policy,
             )
+        # a worker binds its own local device (each TP rank its own); the scheduler only
+        # names the platform for its index
+        self._own_platform = not self.is_scheduler
         self.platform: Platform = (
-            platform_registry.create(self.cfg.platform) if self.cfg.platform else platform_registry.default()
+            devices.worker_platform(self.cfg.platform, devices.local_device_index())
+            if self._own_platform
+            else platform_registry.create(self.cfg.platform)
+            if self.cfg.platform
+            else platform_registry.default()
         )
         geometry, layout_name = compat.expected_kv_geometry(vllm_config, kv_cache_config)
         self.expected_layout: str | None = None  # the physical layout's signature the ids cover
@@ -190,6 +197,9 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
                 load=self.info.kv_consumer,
                 save=self.info.kv_producer,
                 tracer=self._tracer,
+                async_load=bool(self.cfg.async_load),
+                pd_wait_s=self.cfg.pd_wait_s,
+                fingerprint=self._hasher.fingerprint.digest().hex()[:16],
             )
         else:
             self.worker = WorkerSide(
@@ -213,24 +223,26 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ helpers
     def _compute_done(self) -> Event | None:
-        """Order dumps after the forward's kernels. CPU: the forward is synchronous. A
-        device: wait for the framework's current stream (its kernels wrote the KV)."""
-        if self.platform.name in ("sim",):
-            return None
-        import torch
-
-        dev = getattr(torch, "npu", None) if self.platform.name == "ascend" else torch.cuda
-        if dev is not None:
-            dev.current_stream().synchronize()
-        return None
+        """Order dumps after the forward's kernels: an event on the framework's current
+        stream that the copy stream waits on (no host synchronize); None on the host
+        (the CPU forward is synchronous)."""
+        return devices.compute_done_event(self.platform)
 
     def _lookup_prefix(self, ids: Any) -> int:
         """The scheduler's lookups: an index of the shared tier, or this process's worker
-        store (``stores.SchedulerIndex``); never a store of its own."""
+        store (``stores.SchedulerIndex``); never a store of its own. With TP > 1 every rank
+        stores its own heads under its own ids: the prefix counts only the blocks every
+        rank holds, so all ranks load the same blocks (MLA: rank 0's, which all load)."""
         if self._index is None:
             layout = _index_layout(self._kv_cache_config, self.cfg.layerwise)
             self._index = stores.SchedulerIndex(self.cfg, self.platform, layout)
-        return self._index.lookup_prefix(ids)
+        ranks = 1 if self.info.use_mla else self.info.tp_size
+        hit = int(self._index.lookup_prefix(ids))
+        for r in range(1, ranks):
+            if not hit:
+                break
+            hit = min(hit, int(self._index.lookup_prefix(hashing.tag(ids[:hit], r, 0))))
+        return hit
 
     def _plan(self) -> StepPlan | None:
         meta = self._connector_metadata
@@ -266,9 +278,12 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
             self.worker.preempted(kv_connector_metadata.plan.preempted)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose dumps released their blocks, requests whose asynchronous load
+        ended); a failed async load is reported too, its blocks in
+        ``get_block_ids_with_load_errors`` of the same step."""
         if self.worker is None:
             return None, None
-        return self.worker.finished() or None, None
+        return self.worker.finished() or None, self.worker.finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.failed_blocks() if self.worker is not None else set()
@@ -306,12 +321,14 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
                 stores.release(store)
         if self._index is not None:
             self._index.close()
+        if self._own_platform and not self.platform.closed:
+            self.platform.close()
 
     # ------------------------------------------------------------------ scheduler role
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
-        return self.scheduler.num_new_matched_tokens(compat.request_view(request), num_computed_tokens), False
+        return self.scheduler.match(compat.request_view(request), num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.scheduler is not None:
@@ -338,4 +355,5 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is None:
             return False, None
-        return self.scheduler.request_finished(request.request_id), None
+        params = getattr(request, "kv_transfer_params", None)
+        return self.scheduler.finish(request.request_id, params if isinstance(params, dict) else None)

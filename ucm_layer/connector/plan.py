@@ -31,7 +31,10 @@ class Transfer:
 class StepPlan:
     """What the workers do this step.
 
-    ``loads`` must be in the KV cache before the forward reads it; ``dumps`` are stored
+    ``loads`` must be in the KV cache before the forward reads it (synchronous loads);
+    ``async_loads`` are started by the workers and finish while the engine keeps
+    stepping: their requests wait (vLLM's ``WAITING_FOR_REMOTE_KVS``) until every worker
+    reports them in ``get_finished``, so no forward reads those blocks before; ``dumps`` are stored
     after the forward wrote them; ``finished`` are requests whose blocks the scheduler
     keeps alive until every worker reports their dumps released (``get_finished``);
     ``preempted`` are requests whose in-flight dumps must finish before their blocks are
@@ -45,6 +48,7 @@ class StepPlan:
     """
 
     loads: list[Transfer] = field(default_factory=list)
+    async_loads: list[Transfer] = field(default_factory=list)
     dumps: list[Transfer] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
@@ -52,4 +56,6 @@ class StepPlan:
     readers: dict[str, set[int]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.dumps or self.finished or self.preempted or self.repaired)
+        return not (
+            self.loads or self.async_loads or self.dumps or self.finished or self.preempted or self.repaired
+        )

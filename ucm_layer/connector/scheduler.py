@@ -39,8 +39,10 @@ Not thread-safe: vLLM calls the scheduler role from one thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -64,6 +66,10 @@ class _Req:
     lookup_hit: int = 0  # blocks beyond `local` the store holds
     load: Transfer | None = None
     dumped_any: bool = False
+    announced: int = 0  # P/D: full blocks the producer said it stored (0: none announced)
+    wait_since: float | None = None  # P/D: when the wait for them began
+    last_ask: float = 0.0  # P/D: when the index was last asked while waiting
+    cap: int = 1 << 62  # blocks from here on failed to load once: never claimed again
 
 
 class SchedulerSide:
@@ -79,6 +85,10 @@ class SchedulerSide:
         load: bool = True,
         save: bool = True,
         tracer: Tracer | None = None,
+        async_load: bool = False,
+        pd_wait_s: float = 30.0,
+        fingerprint: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if block_size < 1 or hashes_per_block < 1:
             raise ValueError("block_size and hashes_per_block must be >= 1")
@@ -87,10 +97,15 @@ class SchedulerSide:
         self._ids_from_hashes = ids_from_hashes
         self._lookup_prefix = lookup_prefix
         self.can_load, self.can_save = load, save
+        self.async_load, self.pd_wait_s = async_load, pd_wait_s
+        self.fingerprint = fingerprint  # names the block ids in P/D hand-offs
+        self._clock = clock
         self.tracer = tracer or Tracer(None)
         self.stats = SchedulerStats()
         self._reqs: dict[str, _Req] = {}
         self._planned_loads: list[Transfer] = []
+        self._planned_async: list[Transfer] = []
+        self._pd_told: set[str] = set()  # P/D warnings already logged
         self._finished: set[str] = set()
         self._repaired: set[str] = set()
         self._store_down = False
@@ -118,7 +133,72 @@ class SchedulerSide:
         return st.ids[:upto]
 
     # ------------------------------------------------------------------ lookup
-    def num_new_matched_tokens(self, view: ReqView, local_tokens: int) -> int:
+    def match(self, view: ReqView, local_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: the tokens beyond ``local_tokens`` the store
+        holds, and whether they load asynchronously. ``None``: not decided yet (a P/D
+        consumer waiting for the blocks its producer announced); vLLM asks again next step."""
+        if not self.can_load:
+            return 0, False
+        st = self._state(view)
+        self._announce(st, view)
+        hit = self.num_new_matched_tokens(view, local_tokens, fresh=st.announced > 0)
+        if st.announced:
+            local = local_tokens // self.block_size
+            if local + st.lookup_hit < st.announced:
+                if st.wait_since is None:
+                    st.wait_since = self._clock()
+                if self._clock() - st.wait_since < self.pd_wait_s:
+                    return None, False
+                self._tell_pd(
+                    "late",
+                    "kvfabric: P/D request %s: %d of the %d blocks its producer announced are not in the "
+                    "store after pd_wait_s=%gs; computing the rest (logged once)",
+                    view.req_id,
+                    st.announced - local - st.lookup_hit,
+                    st.announced,
+                    self.pd_wait_s,
+                )
+            st.announced = 0  # decided: load what is there
+        return hit, bool(hit and self.async_load)
+
+    def _waiting(self, st: _Req) -> bool:
+        return st.announced > 0 and (st.wait_since is None or self._clock() - st.wait_since < self.pd_wait_s)
+
+    def _announce(self, st: _Req, view: ReqView) -> None:
+        """P/D: read the producer's hand-off from ``kv_transfer_params`` once per request."""
+        params = view.transfer_params
+        if st.wait_since is not None or st.announced or not params or not params.get("do_remote_prefill"):
+            return
+        mine = params.get("kvfabric")
+        if not isinstance(mine, Mapping):
+            return
+        fp = str(mine.get("fingerprint", ""))
+        if self.fingerprint and fp != self.fingerprint:
+            self._tell_pd(
+                "fingerprint",
+                "kvfabric: P/D request %s was prefilled by an engine whose block ids differ from this "
+                "one's (fingerprint %s, here %s: another model, dtype, block size, TP size or KV layout); "
+                "its blocks cannot be used and it is computed here (logged once)",
+                view.req_id,
+                fp or "none",
+                self.fingerprint,
+            )
+            return
+        try:
+            blocks = int(mine.get("blocks", 0))
+        except (TypeError, ValueError):
+            blocks = 0
+        claimable = max(view.num_tokens - 1, 0) // self.block_size
+        st.announced = max(0, min(blocks, claimable))
+
+    def _tell_pd(self, key: str, msg: str, *args: object) -> None:
+        if key not in self._pd_told:
+            self._pd_told.add(key)
+            log.warning(msg, *args)
+
+    def num_new_matched_tokens(self, view: ReqView, local_tokens: int, fresh: bool = False) -> int:
+        """The tokens beyond ``local_tokens`` the store holds (see the module docstring);
+        ``fresh`` asks the store again even for a repeated question (a P/D wait)."""
         if not self.can_load:
             return 0
         st = self._state(view)
@@ -126,8 +206,11 @@ class SchedulerSide:
         local = local_tokens // bs
         claimable = max(view.num_tokens - 1, 0) // bs  # never the last token
         key = (local, claimable)
-        if st.lookup_key == key:
+        if st.lookup_key == key and not fresh:
             return st.lookup_hit * bs
+        if fresh and st.lookup_key == key and self._clock() - st.last_ask < 0.005:
+            return st.lookup_hit * bs  # a waiting consumer asks the store at most every 5 ms
+        st.last_ask = self._clock()
         hit = 0
         ids = self._ids(st, claimable)
         if ids.shape[0] > local:
@@ -151,9 +234,10 @@ class SchedulerSide:
                     )
                     self._store_down = True
                 hit = 0
-        hit = max(0, min(hit, ids.shape[0] - local))
+        hit = max(0, min(hit, ids.shape[0] - local, st.cap - local))
         st.lookup_key, st.lookup_hit = key, hit
-        self.stats.lookup(view.num_tokens, (local + hit) * bs, hit * bs)
+        if not fresh or not self._waiting(st):
+            self.stats.lookup(view.num_tokens, (local + hit) * bs, hit * bs)
         return hit * bs
 
     def after_alloc(self, view: ReqView, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -175,7 +259,7 @@ class SchedulerSide:
             raise ValueError(f"request {view.req_id}: {blocks.size} blocks allocated for {n} loaded blocks")
         st.load = Transfer(view.req_id, ids, blocks, view.num_tokens, bs)
         st.stored = max(st.stored, local + n)
-        self._planned_loads.append(st.load)
+        (self._planned_async if self.async_load else self._planned_loads).append(st.load)
 
     # ------------------------------------------------------------------ per step
     def build_plan(
@@ -187,11 +271,13 @@ class SchedulerSide:
     ) -> StepPlan:
         plan = StepPlan(
             loads=self._planned_loads,
+            async_loads=self._planned_async,
             finished=self._finished,
             preempted=set(preempted or ()),
             repaired=self._repaired,
         )
-        self._planned_loads, self._finished, self._repaired = [], set(), set()
+        self._planned_loads, self._planned_async = [], []
+        self._finished, self._repaired = set(), set()
         loading = {int(b) for t in plan.loads for b in t.blocks.tolist()}
         for r in new:
             st = self._reqs.get(r.req_id)
@@ -273,6 +359,9 @@ class SchedulerSide:
             held = [i for i, b in enumerate(st.block_ids[: st.stored]) if b in bad]
             if not held:
                 continue
+            # an async load that failed sends the request back to vLLM's lookup: it must
+            # not claim the failed blocks again (the store may still list them)
+            st.cap, st.lookup_key = min(st.cap, held[0]), None
             self._repaired.add(st.view.req_id)
             mine = [i for i in held if st.block_ids[i] not in claimed]
             if mine:
@@ -295,6 +384,23 @@ class SchedulerSide:
             return False
         self._finished.add(req_id)
         return True
+
+    def finish(self, req_id: str, params: Mapping[str, Any] | None) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: whether to keep the blocks (``request_finished``) and,
+        for a prefill asked to hand off (``do_remote_decode`` in its ``kv_transfer_params``),
+        the parameters for its decode engine: ``do_remote_prefill`` and, under ``kvfabric``,
+        how many full blocks were planned as dumps and the fingerprint of their ids (the
+        consumer waits for them, see ``match``)."""
+        st = self._reqs.get(req_id)
+        stored = st.stored if st is not None else 0
+        keep = self.request_finished(req_id)
+        if not params or not params.get("do_remote_decode"):
+            return keep, None
+        return keep, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvfabric": {"blocks": stored if self.can_save else 0, "fingerprint": self.fingerprint},
+        }
 
     def forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

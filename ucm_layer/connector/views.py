@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,7 @@ class ReqView:
     block_hashes: Sequence[bytes]
     num_tokens: int
     num_prompt_tokens: int
+    transfer_params: Mapping[str, Any] | None = None  # the request's kv_transfer_params (P/D)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,15 @@ Call order per engine step (vLLM's model runner drives it):
    (``expected_layout``, a :attr:`KVLayout.signature`), the tensors must have exactly it:
    a worker handed other tensors raises ``ValueError`` naming both, before it touches
    the store (its blocks would carry ids that promise another byte layout).
-2. ``start_load(plan)`` before the forward. Whole-request mode loads every planned
-   block and returns when the bytes are in place; layer-wise mode issues one load per
+2. ``start_load(plan)`` before the forward (after it when the step has no synchronous
+   load). ``plan.async_loads`` are issued and left running: ``finished_loads()``
+   (called after every step, forward or not) reports each request whose load is done,
+   after scattering its good blocks; a load still running ``load_timeout_s`` after it
+   was issued is cancelled (the store's cancel guarantees nothing writes the blocks
+   afterwards) and its unfinished blocks fail as ``TIMEOUT``. Failed blocks are handed
+   to vLLM no later than the step that reports the request (vLLM's contract).
+   Synchronous loads: whole-request mode loads every planned block and returns when
+   the bytes are in place; layer-wise mode issues one load per
    layer and ``wait_layer(name)`` (called by each attention layer) waits for its own.
    A block that fails to load (store gone, timeout, missing) is remembered;
    ``failed_blocks()`` hands those to vLLM, which recomputes them. The first failure of
@@ -36,6 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,6 +71,17 @@ def _raw_storage(t: Any) -> Any:
     import torch
 
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+@dataclass
+class _AsyncLoad:
+    """An asynchronous load in flight: its op, its request's blocks, when it must end."""
+
+    op: LoadOp
+    transfer: Transfer
+    deadline: float  # time.monotonic()
+    started: float  # time.perf_counter()
+    start_ns: int
 
 
 class WorkerSide:
@@ -100,6 +119,8 @@ class WorkerSide:
         self._layer_dump_rows: tuple[np.ndarray, np.ndarray, list[Transfer]] | None = None
         self._dumps: dict[str, list[DumpOp]] = {}
         self._awaiting: set[str] = set()
+        self._async: dict[str, _AsyncLoad] = {}
+        self._loaded: set[str] = set()  # async loads that ended at issue (reported next)
         self._failures = LoadFailures()
         self._load_trouble = False
         self._save_trouble = False
@@ -193,6 +214,8 @@ class WorkerSide:
     def start_load(self, plan: StepPlan) -> None:
         self._layer_loads.clear()
         self._failures.begin(plan)
+        for t in plan.async_loads:
+            self._start_async(t)
         if not plan.loads or self.delegator is None or not self.can_load:
             return
         ids, blocks = self._join(plan.loads)
@@ -215,6 +238,49 @@ class WorkerSide:
             return
         self._load_done(blocks, status, time.perf_counter() - t0, self.delegator.layout.block_bytes)
         self._spans("kvfabric.load", plan.loads, status, start_ns)
+
+    def _start_async(self, t: Transfer) -> None:
+        if self.delegator is None or not self.can_load:
+            self._load_failed(t.blocks, "the worker has no store to load from")
+            self._loaded.add(t.req_id)
+            return
+        try:
+            op = self.delegator.load(self._tag(t.ids), t.blocks)
+        except Exception as e:  # noqa: BLE001 - a failed load is a recompute
+            self._load_failed(t.blocks, f"{type(e).__name__}: {e}")
+            self._loaded.add(t.req_id)
+            return
+        self._async[t.req_id] = _AsyncLoad(
+            op, t, time.monotonic() + self.cfg.load_timeout_s, time.perf_counter(), time.time_ns()
+        )
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load ended (well or not) since the last call; their
+        failed blocks are in ``failed_blocks()`` from now on."""
+        done, self._loaded = self._loaded, set()
+        now = time.monotonic()
+        for req_id, a in list(self._async.items()):
+            finished = a.op.done()
+            if not finished and now < a.deadline:
+                continue
+            del self._async[req_id]
+            done.add(req_id)
+            blocks = a.transfer.blocks
+            try:  # done: scatter the good blocks; past the deadline: cancel what is left
+                status = a.op.wait(None if finished else 0.0)
+            except Exception as e:  # noqa: BLE001 - a failed load is a recompute
+                self._load_failed(blocks, f"{type(e).__name__}: {e}")
+                continue
+            assert self.delegator is not None
+            secs = time.perf_counter() - a.started
+            self._load_done(blocks, status, secs, self.delegator.layout.block_bytes)
+            self._spans("kvfabric.load", [a.transfer], status, a.start_ns)
+        return done
+
+    @property
+    def loading(self) -> int:
+        """Asynchronous loads in flight."""
+        return len(self._async)
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -384,6 +450,12 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        for a in self._async.values():  # nothing may write the KV cache after close
+            try:
+                a.op.wait(0.0)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+        self._async.clear()
         if self.delegator is not None:
             self._reap(block=True)
             self.delegator.close()
