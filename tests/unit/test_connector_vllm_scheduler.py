@@ -317,7 +317,10 @@ def test_a_pd_consumer_waits_for_the_announced_blocks_then_loads_them(model_dir,
     outputs = prod.update_from_output(
         out,
         ModelRunnerOutput(
-            req_ids=["p"], req_id_to_index={"p": 0}, sampled_token_ids=[[7]], kv_connector_output=KVConnectorOutput()
+            req_ids=["p"],
+            req_id_to_index={"p": 0},
+            sampled_token_ids=[[7]],
+            kv_connector_output=KVConnectorOutput(),
         ),
     )
     params = next(o for eo in outputs.values() for o in eo.outputs if o.request_id == "p").kv_transfer_params
