@@ -1,13 +1,17 @@
 """Benchmarks, run as ``kvfabric bench NAME [--quick] [--json]``.
 
-One registry: name -> ``"module:function"``, imported only when that benchmark runs. A
-benchmark function takes a :class:`~kvfabric.bench.report.BenchContext` and yields result
-rows (dicts); every row carries the comparison measured in the same run as a ratio.
+One registry (:class:`kvfabric.registry.Registry`): name -> ``"module:function"``, imported
+only when that benchmark runs; plugins add theirs through the ``kvfabric.benchmarks``
+entry-point group. A benchmark function takes a :class:`~kvfabric.bench.report.BenchContext`
+and yields result rows (dicts); every row carries the comparison measured in the same run as
+a ratio.
 """
 
 from __future__ import annotations
 
-BENCHMARKS: dict[str, str] = {
+from kvfabric.registry import Registry
+
+_BUILTIN: dict[str, str] = {
     "copy": "kvfabric.bench.copy:run",
     "xcopy": "kvfabric.bench.xcopy:run",
     "e2e": "kvfabric.bench.e2e:run",
@@ -16,5 +20,6 @@ BENCHMARKS: dict[str, str] = {
     "rpc": "kvfabric.bench.rpc:run",
     "store": "kvfabric.bench.store:run",
 }
+BENCHMARKS: Registry = Registry("benchmark", _BUILTIN)
 
 __all__ = ["BENCHMARKS"]

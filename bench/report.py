@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -52,11 +51,7 @@ def machine_note() -> dict[str, Any]:
 
 
 def load(name: str) -> Callable[[BenchContext], Iterator[Row]]:
-    target = BENCHMARKS.get(name)
-    if target is None:
-        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
-    module, _, func = target.partition(":")
-    return getattr(importlib.import_module(module), func)
+    return BENCHMARKS.load(name)
 
 
 def _fmt(v: Any) -> str:

@@ -11,8 +11,6 @@ backends register through the ``kvfabric.platforms`` entry-point group
 from __future__ import annotations
 
 import glob
-import importlib
-import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -20,6 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvfabric.envs import KVFABRIC_PLATFORM
+from kvfabric.registry import Registry
 
 if TYPE_CHECKING:
     from kvfabric.platform.base import Platform
@@ -33,7 +32,12 @@ _BUILTIN: dict[str, str] = {
     "cuda": "kvfabric.platform.cuda:CudaPlatform",
     "ascend": "kvfabric.platform.ascend:AscendPlatform",
 }
-_extra: dict[str, str] = {}
+PLATFORMS: Registry[type[Platform]] = Registry(
+    "platform",
+    _BUILTIN,
+    group=ENTRY_POINT_GROUP,
+    hint=lambda name: f"Install the extra: pip install 'kvfabric[{name}]'",
+)
 _lock = threading.Lock()
 _default: Platform | None = None
 
@@ -42,26 +46,12 @@ def register(name: str, target: str) -> None:
     """Register ``name`` -> ``"module:Class"`` (a Platform subclass), e.g. from a plugin."""
     if not name or ":" not in target:
         raise ValueError(f"register needs a name and 'module:Class', got {name!r}, {target!r}")
-    with _lock:
-        if name in _BUILTIN:
-            raise ValueError(f"platform name {name!r} is built in and cannot be replaced")
-        _extra[name] = target
-
-
-def _entry_points() -> dict[str, str]:
-    try:
-        eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    except Exception:  # noqa: BLE001 - broken metadata must not stop detection
-        return {}
-    return {ep.name: ep.value for ep in eps}
+    PLATFORMS.register(name, target, replace=True)
 
 
 def available() -> dict[str, str]:
     """Every known platform name and its qualified class."""
-    out = dict(_entry_points())
-    out.update(_extra)
-    out.update(_BUILTIN)
-    return out
+    return PLATFORMS.targets()
 
 
 def _has_module(name: str) -> bool:
@@ -91,20 +81,11 @@ def resolve_name(name: str | None = None) -> str:
 
 
 def platform_class(name: str) -> type[Platform]:
-    target = available().get(name)
-    if target is None:
-        raise ValueError(f"unknown platform {name!r}; known: {', '.join(sorted(available()))}")
-    module_name, _, cls_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(
-            f"platform {name!r} needs {module_name!r}, which failed to import: {e}. "
-            f"Install the extra: pip install 'kvfabric[{name}]'"
-        ) from e
-    cls = getattr(module, cls_name, None)
-    if cls is None:
-        raise ImportError(f"{module_name!r} has no class {cls_name!r} (platform {name!r})")
+    from kvfabric.platform.base import Platform
+
+    cls = PLATFORMS.load(name)
+    if not (isinstance(cls, type) and issubclass(cls, Platform)):
+        raise ImportError(f"{PLATFORMS.target(name)!r} (platform {name!r}) is not a Platform class")
     return cls
 
 

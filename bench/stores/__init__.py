@@ -1,6 +1,7 @@
 """The stores ``kvfabric bench pool`` measures, behind one small interface.
 
-One registry: store name -> module, imported only when that store is measured (so
+One registry (:class:`kvfabric.registry.Registry`, plugins: the ``kvfabric.peer_stores``
+entry-point group): store name -> module, imported only when that store is measured (so
 Mooncake's and Redis's client libraries load only in the processes that use them). Each
 module provides
 
@@ -21,19 +22,22 @@ stored; ``remove`` deletes keys (missing ones are ignored); ``close`` ends the c
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
 from kvfabric.bench.poolcase import Op
+from kvfabric.registry import Registry
 
-STORES: dict[str, str] = {
-    "kvfabric": "kvfabric.bench.stores.kvpool",
-    "mooncake": "kvfabric.bench.stores.mooncake",
-    "redis": "kvfabric.bench.stores.redis",
-}
+STORES: Registry[Any] = Registry(
+    "peer store",
+    {
+        "kvfabric": "kvfabric.bench.stores.kvpool",
+        "mooncake": "kvfabric.bench.stores.mooncake",
+        "redis": "kvfabric.bench.stores.redis",
+    },
+)
 
 
 class Driver(Protocol):
@@ -56,10 +60,7 @@ class Service(Protocol):
 
 
 def module(store: str) -> Any:
-    target = STORES.get(store)
-    if target is None:
-        raise ValueError(f"unknown store {store!r}; known: {', '.join(sorted(STORES))}")
-    return importlib.import_module(target)
+    return STORES.load(store)
 
 
 def open_driver(store: str, params: dict[str, Any]) -> Driver:

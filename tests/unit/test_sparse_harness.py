@@ -86,7 +86,7 @@ def test_metrics_oracle_full_budget_and_methods(work):
 def test_step_timing_and_plots(tmp_path):
     (t,) = time_steps(2048, [256], num_kv_heads=2, group=2, head_dim=32, rounds=1)
     assert t.dense_s > 0 and t.sparse_s > 0 and 0 < t.score_frac < 1
-    assert BENCHMARKS["gsa"] == "kvfabric.bench.sparse.run:run"
+    assert BENCHMARKS.target("gsa") == "kvfabric.bench.sparse.run:run"
     pytest.importorskip("matplotlib")
     rows = [
         {"case": "synthetic", "method": m, "context": 2048, "budget": b, "recall": r}

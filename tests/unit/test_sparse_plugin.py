@@ -181,6 +181,6 @@ def test_configuration_is_validated_at_start():
     try:
         assert isinstance(create("gsa2", spec), GSA)
     finally:
-        del base.ALGORITHMS["gsa2"]
+        base.ALGORITHMS.unregister("gsa2")
     with pytest.raises(ValueError, match="unknown request"):
         frac.build_sparse_meta(StepBatch(("x",), (10,), (1,)), None)

@@ -126,8 +126,8 @@ def test_register_validates_and_imports_lazily():
         with pytest.raises(ImportError, match="failed to import"):
             registry.store_class("absent")
     finally:
-        registry.STORES.pop("bogus", None)
-        registry.STORES.pop("absent", None)
+        registry.STORES.unregister("bogus")
+        registry.STORES.unregister("absent")
     code = (
         "import sys, kvfabric.ucm_layer.store.registry as r\n"
         "print(sorted(m for m in sys.modules if m.startswith('kvfabric.ucm_layer.store.')))\n"

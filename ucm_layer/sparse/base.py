@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import abc
 import enum
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvfabric.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -226,36 +227,32 @@ class UcmSparseBase(abc.ABC):
         """Wait for or cancel outstanding transfers; idempotent."""
 
 
-#: algorithm name -> "module:Class", imported only when created
-ALGORITHMS: dict[str, str] = {
-    "dense": "kvfabric.ucm_layer.sparse.dense:DenseAttention",
-    "gsa": "kvfabric.ucm_layer.sparse.gsa.plugin:GSA",
-    "quest": "kvfabric.ucm_layer.sparse.baselines.plugins:Quest",
-    "meankey": "kvfabric.ucm_layer.sparse.baselines.plugins:MeanKey",
-    "hata": "kvfabric.ucm_layer.sparse.baselines.plugins:Hata",
-    "oracle": "kvfabric.ucm_layer.sparse.baselines.plugins:Oracle",
-}
+#: algorithm name -> "module:Class", imported only when created (plugins: the
+#: ``kvfabric.sparse_algorithms`` entry-point group)
+ALGORITHMS: Registry[type[UcmSparseBase]] = Registry(
+    "sparse algorithm",
+    {
+        "dense": "kvfabric.ucm_layer.sparse.dense:DenseAttention",
+        "gsa": "kvfabric.ucm_layer.sparse.gsa.plugin:GSA",
+        "quest": "kvfabric.ucm_layer.sparse.baselines.plugins:Quest",
+        "meankey": "kvfabric.ucm_layer.sparse.baselines.plugins:MeanKey",
+        "hata": "kvfabric.ucm_layer.sparse.baselines.plugins:Hata",
+        "oracle": "kvfabric.ucm_layer.sparse.baselines.plugins:Oracle",
+    },
+    kind=UcmSparseBase,
+)
 
 
 def register(name: str, target: str) -> None:
     """Register an out-of-tree algorithm as ``"package.module:Class"``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"algorithm name must be a non-empty string, got {name!r}")
     if not isinstance(target, str) or ":" not in target:
         raise ValueError(f"target must look like 'package.module:Class', got {target!r}")
-    ALGORITHMS[name] = target
+    ALGORITHMS.register(name, target, replace=True)
 
 
 def create(name: str, model: ModelSpec, config: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
     """Build the algorithm registered as ``name``; its configuration is validated here."""
-    target = ALGORITHMS.get(name)
-    if target is None:
-        raise ValueError(f"unknown sparse algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))}")
-    module, _, cls = target.partition(":")
-    klass = getattr(importlib.import_module(module), cls)
-    if not (isinstance(klass, type) and issubclass(klass, UcmSparseBase)):
-        raise TypeError(f"{target} is not a UcmSparseBase subclass")
-    return klass(model, config, **kwargs)
+    return ALGORITHMS.create(name, model, config, **kwargs)
 
 
 __all__ = [

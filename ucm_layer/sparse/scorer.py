@@ -14,12 +14,12 @@ documentation says so (the oracle does).
 from __future__ import annotations
 
 import abc
-import importlib
 import math
 from typing import Any
 
 import torch
 
+from kvfabric.registry import Registry
 from kvfabric.ucm_layer.sparse.selection import combine_group
 
 
@@ -265,22 +265,21 @@ def block_view(keys: torch.Tensor, block_size: int, fill: float) -> torch.Tensor
 
 
 #: scorer name -> "module:Class", imported on first use
-SCORERS: dict[str, str] = {
-    "gsa": "kvfabric.ucm_layer.sparse.gsa.summary:SvdMaxNormScorer",
-    "quest": "kvfabric.ucm_layer.sparse.baselines.quest:QuestScorer",
-    "meankey": "kvfabric.ucm_layer.sparse.baselines.meankey:MeanKeyScorer",
-    "hata": "kvfabric.ucm_layer.sparse.baselines.hata:HataScorer",
-    "oracle": "kvfabric.ucm_layer.sparse.baselines.oracle:OracleScorer",
-}
+SCORERS: Registry[Any] = Registry(
+    "block scorer",
+    {
+        "gsa": "kvfabric.ucm_layer.sparse.gsa.summary:SvdMaxNormScorer",
+        "quest": "kvfabric.ucm_layer.sparse.baselines.quest:QuestScorer",
+        "meankey": "kvfabric.ucm_layer.sparse.baselines.meankey:MeanKeyScorer",
+        "hata": "kvfabric.ucm_layer.sparse.baselines.hata:HataScorer",
+        "oracle": "kvfabric.ucm_layer.sparse.baselines.oracle:OracleScorer",
+    },
+)
 
 
 def make_scorer(name: str, num_kv_heads: int, head_dim: int, block_size: int, **options: Any) -> BlockScorer:
     """A fresh scorer registered as ``name`` (options are the class's keyword arguments)."""
-    target = SCORERS.get(name)
-    if target is None:
-        raise ValueError(f"unknown block scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
-    module, _, cls = target.partition(":")
-    klass = getattr(importlib.import_module(module), cls)
+    klass = SCORERS.load(name)
     try:
         return klass(num_kv_heads, head_dim, block_size, **options)
     except TypeError as e:

@@ -12,7 +12,9 @@ Indexes: ``create_index(spec, config, layout=...)`` builds the read-only metadat
 for a scheduler that only counts hits; ``unshared_reason`` says why a spec cannot be seen
 from another process (a ``cache`` alone, an embedded pool).
 
-Adding a store: an entry in ``STORES`` here, or :func:`register` from outside. Its class
+Adding a store: an entry in ``STORES`` here (a :class:`kvfabric.registry.Registry`), an
+installed plugin (the ``kvfabric.stores`` entry-point group; its index, if any, in
+``kvfabric.store_indexs``... no: in ``kvfabric.store_indexes``), or :func:`register` from outside. Its class
 implements the contract (``base.py``), takes ``(config_mapping, platform=, layout=)``
 through ``from_config`` and returns :class:`~kvfabric.ucm_layer.store.task.StoreTask`
 tasks (pipelines cancel them).
@@ -20,26 +22,33 @@ tasks (pipelines cancel them).
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from kvfabric.platform.base import Platform
+from kvfabric.registry import Registry
 from kvfabric.ucm_layer.store.base import Index, Store, StoreLayout
 
-STORES: dict[str, str] = {
-    "posix": "kvfabric.ucm_layer.store.posix:PosixStore",
-    "cache": "kvfabric.ucm_layer.store.cache:CacheStore",
-    "pool": "kvfabric.ucm_layer.store.pool:PoolStore",
-}
+STORES: Registry[type[Store]] = Registry(
+    "store",
+    {
+        "posix": "kvfabric.ucm_layer.store.posix:PosixStore",
+        "cache": "kvfabric.ucm_layer.store.cache:CacheStore",
+        "pool": "kvfabric.ucm_layer.store.pool:PoolStore",
+    },
+)
 #: stores that may sit above another one in a pipeline
 CACHING_TIERS: set[str] = {"cache"}
 #: indexes (``index.py``) of the stores another process can look into
-INDEXES: dict[str, str] = {
-    "posix": "kvfabric.ucm_layer.store.index:PosixIndex",
-    "pool": "kvfabric.ucm_layer.store.index:PoolIndex",
-}
+INDEXES: Registry[Any] = Registry(
+    "store index",
+    {
+        "posix": "kvfabric.ucm_layer.store.index:PosixIndex",
+        "pool": "kvfabric.ucm_layer.store.index:PoolIndex",
+    },
+    group="kvfabric.store_indexes",
+)
 #: stores whose blocks live in one process's memory (no index from another process)
 PROCESS_LOCAL: set[str] = {"cache"}
 PIPELINE_PREFIX = "pipeline"
@@ -59,36 +68,24 @@ def register(
     if ":" not in target:
         raise ValueError(f"store target must be 'package.module:Class', got {target!r}")
     with _lock:
-        STORES[name] = target
+        STORES.register(name, target, replace=True)
         if caching:
             CACHING_TIERS.add(name)
         if index is not None:
-            INDEXES[name] = index
+            INDEXES.register(name, index, replace=True)
         if process_local:
             PROCESS_LOCAL.add(name)
 
 
 def available() -> list[str]:
-    return sorted(STORES)
-
-
-def _import(name: str, target: str) -> Any:
-    module_name, _, cls_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"store {name!r} needs {module_name!r}, which failed to import: {e}") from e
-    return getattr(module, cls_name, None)
+    return STORES.names()
 
 
 def store_class(name: str) -> type[Store]:
     """The class registered as ``name`` (imports its module now)."""
-    target = STORES.get(name)
-    if target is None:
-        raise ValueError(f"unknown store {name!r}; known: {', '.join(available())}")
-    cls = _import(name, target)
-    if cls is None or not (isinstance(cls, type) and issubclass(cls, Store)):
-        raise ImportError(f"{target!r} (store {name!r}) is not a Store class")
+    cls = STORES.load(name)
+    if not (isinstance(cls, type) and issubclass(cls, Store)):
+        raise ImportError(f"{STORES.target(name)!r} (store {name!r}) is not a Store class")
     return cls
 
 
@@ -97,8 +94,9 @@ def parse_spec(spec: str) -> tuple[str, ...]:
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"store spec must be a name like 'posix' or 'cache|posix', got {spec!r}")
     tiers = tuple(t.strip() for t in spec.split("|"))
+    known = STORES.targets()
     for t in tiers:
-        if t not in STORES:
+        if t not in known:
             raise ValueError(f"unknown store {t!r} in {spec!r}; known: {', '.join(available())}")
     if len(set(tiers)) != len(tiers):
         raise ValueError(f"store spec {spec!r} names a store twice")
@@ -182,8 +180,7 @@ def unshared_reason(spec: str, config: Mapping[str, Any] | None = None) -> str |
     lowest = tiers[-1]
     if lowest in PROCESS_LOCAL:
         return f"store {spec!r} keeps its blocks in the memory of one process (the {lowest!r} store)"
-    target = INDEXES.get(lowest)
-    return _import(lowest, target).unshared(dict(config or {})) if target else None
+    return INDEXES.load(lowest).unshared(dict(config or {})) if lowest in INDEXES else None
 
 
 def create_index(
@@ -215,7 +212,6 @@ def create_index(
         from kvfabric.platform.registry import default
 
         platform = default()
-    target = INDEXES.get(lowest)
-    if target is None:
+    if lowest not in INDEXES:
         return create(lowest, mine, layout=layout, platform=platform)
-    return _import(lowest, target).from_config(mine, platform=platform, layout=layout)
+    return INDEXES.load(lowest).from_config(mine, platform=platform, layout=layout)

@@ -11,16 +11,20 @@ The contract is in ``base.py``; barrier and all-gather in ``collectives.py``.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from kvfabric.pool.gva.rendezvous.base import Compacted, KeyValue, KVStore, WatchEvent
+from kvfabric.registry import Registry
 
-STORES: dict[str, str] = {
-    "kvf": "kvfabric.pool.gva.rendezvous.client:RendezvousClient",
-    "kvf+unix": "kvfabric.pool.gva.rendezvous.client:RendezvousClient",
-    "etcd": "kvfabric.pool.gva.rendezvous.etcd:EtcdStore",
-}
+STORES: Registry[type[KVStore]] = Registry(
+    "rendezvous scheme",
+    {
+        "kvf": "kvfabric.pool.gva.rendezvous.client:RendezvousClient",
+        "kvf+unix": "kvfabric.pool.gva.rendezvous.client:RendezvousClient",
+        "etcd": "kvfabric.pool.gva.rendezvous.etcd:EtcdStore",
+    },
+    group="kvfabric.rendezvous",
+)
 
 
 def connect(url: str, **options: Any) -> KVStore:
@@ -28,13 +32,11 @@ def connect(url: str, **options: Any) -> KVStore:
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"rendezvous url {url!r} must look like kvf://HOST:PORT or etcd://HOST:PORT")
     scheme = url.split("://", 1)[0]
-    target = STORES.get(scheme)
-    if target is None:
+    if scheme not in STORES:
         raise ValueError(
-            f"unknown rendezvous scheme {scheme!r} in {url!r}; known: {', '.join(sorted(STORES))}"
+            f"unknown rendezvous scheme {scheme!r} in {url!r}; known: {', '.join(STORES.names())}"
         )
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)(url, **options)
+    return STORES.create(scheme, url, **options)
 
 
 __all__ = ["STORES", "Compacted", "KVStore", "KeyValue", "WatchEvent", "connect"]

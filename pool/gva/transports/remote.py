@@ -14,7 +14,6 @@ and dropped when that buffer is freed.
 from __future__ import annotations
 
 import bisect
-import importlib
 import threading
 from typing import Any
 
@@ -26,18 +25,15 @@ from kvfabric.platform.types import Medium, Span
 from kvfabric.pool.gva.address import REGION_MEDIUM
 from kvfabric.pool.gva.transports.base import Completion, GroupPlan, Transport, TransportContext
 from kvfabric.pool.gva.view import LOCAL_KEY, RANK_BITS, View
+from kvfabric.registry import Registry
 
-ENGINES: dict[str, str] = {
-    "mooncake": "kvfabric.pool.gva.transports.mooncake:MooncakeEngine",
-}
+ENGINES: Registry[Any] = Registry(
+    "remote engine", {"mooncake": "kvfabric.pool.gva.transports.mooncake:MooncakeEngine"}
+)
 
 
 def load_engine(name: str, host: str, extra: Any) -> Any:
-    target = ENGINES.get(name)
-    if target is None:
-        raise ValueError(f"unknown remote engine {name!r}; known: {', '.join(sorted(ENGINES))}")
-    module, _, cls = target.partition(":")
-    engine_cls = getattr(importlib.import_module(module), cls)
+    engine_cls = ENGINES.load(name)
     return engine_cls(host, extra.get(f"{name}_protocol", "tcp"), extra.get(f"{name}_device", ""))
 
 
