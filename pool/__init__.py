@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvfabric.platform.base import Platform
-    from kvfabric.pool.client import PoolClient
+    from kvfabric.pool.client.api import PoolClient
 
 
 def connect(
@@ -34,13 +34,13 @@ def connect(
     """A client of the pool daemon at ``socket`` (default: the named pool's socket) or
     ``tcp`` (``"host:port"``). Raises ``ServiceUnavailable`` if nothing answers within
     ``timeout``. ``rpc_spin_us``: how long a call polls for its reply before sleeping
-    (default 100 µs on a Unix socket, 0 over TCP; see ``kvfabric.pool.rpc``).
+    (default 100 µs on a Unix socket, 0 over TCP; see ``kvfabric.pool.client.rpc``).
     ``client_kwargs``: ``window_bytes``, ``window_medium``, ``metadata_only``."""
     from kvfabric.platform.registry import default
     from kvfabric.pool import protocol as p
-    from kvfabric.pool.client import PoolClient
+    from kvfabric.pool.client.api import PoolClient
+    from kvfabric.pool.client.rpc import SocketTransport
     from kvfabric.pool.config import default_socket
-    from kvfabric.pool.rpc import SocketTransport
 
     endpoint = f"tcp://{tcp}" if tcp else (socket or default_socket(name))
     transport = SocketTransport(endpoint, timeout=timeout, token=token, spin_us=rpc_spin_us)
@@ -59,11 +59,11 @@ def connect(
 
 def __getattr__(name: str) -> Any:
     if name == "PoolClient":
-        from kvfabric.pool.client import PoolClient
+        from kvfabric.pool.client.api import PoolClient
 
         return PoolClient
     if name == "EmbeddedPool":
-        from kvfabric.pool.node import EmbeddedPool
+        from kvfabric.pool.service.node import EmbeddedPool
 
         return EmbeddedPool
     if name == "PoolConfig":

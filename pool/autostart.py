@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.errors import KVFabricError, ServiceUnavailable
-from kvfabric.pool.lock import AlreadyRunning, PidLock
+from kvfabric.pool.service.lock import AlreadyRunning, PidLock
 
 log = logging.getLogger("kvfabric.pool.autostart")
 
@@ -119,7 +119,7 @@ def socket_path(name: str) -> str:
 def probe(socket: str, timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any] | None:
     """The ``Info`` of the daemon at ``socket``, or None if nothing answers there."""
     from kvfabric.pool import protocol as p
-    from kvfabric.pool.rpc import SocketTransport
+    from kvfabric.pool.client.rpc import SocketTransport
 
     t = SocketTransport(socket, timeout=timeout)
     try:

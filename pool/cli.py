@@ -54,8 +54,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     start refused or failed for any other expected reason exits with 2 and that reason
     (already running, out of shared memory, ...)."""
     from kvfabric.errors import KVFabricError
-    from kvfabric.pool.daemon import PoolDaemon, Signals, StartInterrupted
-    from kvfabric.pool.node import StartStage
+    from kvfabric.pool.service.daemon import PoolDaemon, Signals, StartInterrupted
+    from kvfabric.pool.service.node import StartStage
 
     signals = Signals()
     signals.install()
@@ -80,8 +80,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from kvfabric.errors import ServiceUnavailable
     from kvfabric.pool import protocol as p
+    from kvfabric.pool.client.rpc import SocketTransport
     from kvfabric.pool.config import default_socket
-    from kvfabric.pool.rpc import SocketTransport
 
     t = SocketTransport(args.socket or default_socket(args.name), timeout=2.0)
     try:

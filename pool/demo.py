@@ -15,7 +15,7 @@ from rich.table import Table
 
 from kvfabric.platform.base import Platform
 from kvfabric.pool.config import PoolConfig
-from kvfabric.pool.node import EmbeddedPool
+from kvfabric.pool.service.node import EmbeddedPool
 from kvfabric.pool.status import Status
 
 PIECES = np.array([128 << 10] * 61 + [16 << 10] * 61, np.uint64)

@@ -24,9 +24,10 @@ from pool_testing import Daemon, content
 
 from kvfabric.pool import EmbeddedPool, connect
 from kvfabric.pool import protocol as p
+from kvfabric.pool.client.rpc import SocketTransport
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.keys import MAX_BATCH
-from kvfabric.pool.rpc import LocalTransport, SocketTransport
+from kvfabric.pool.service.local import LocalTransport
 
 KiB = 1 << 10
 

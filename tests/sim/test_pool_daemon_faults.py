@@ -18,12 +18,12 @@ from pool_testing import Daemon, _die_with_parent, content
 
 from kvfabric.errors import OutOfSpace, ServiceUnavailable
 from kvfabric.platform import shm
-from kvfabric.pool import client as pool_client
 from kvfabric.pool import connect
-from kvfabric.pool import node as pool_node
-from kvfabric.pool.client import PoolClient
+from kvfabric.pool.client import session as pool_session
+from kvfabric.pool.client.api import PoolClient
 from kvfabric.pool.config import PoolConfig
-from kvfabric.pool.node import PoolNode, StartStage
+from kvfabric.pool.service import node as pool_node
+from kvfabric.pool.service.node import PoolNode, StartStage
 from kvfabric.pool.status import Status
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -117,7 +117,7 @@ def test_a_windowless_client_rejoining_first_does_not_take_the_owners_rank(tmp_p
 def test_a_catch_up_that_fails_half_way_is_retried_on_the_next_call(tmp_path, isolated_shm, monkeypatch):
     d2, owner, _, _ = _owner_then_crash(tmp_path, windowless=False)
     rank = owner.rank
-    real_join = pool_client.Fabric.join
+    real_join = pool_session.Fabric.join
     calls = []
 
     def join_fails_once(*args: object, **kwargs: object) -> object:
@@ -127,7 +127,7 @@ def test_a_catch_up_that_fails_half_way_is_retried_on_the_next_call(tmp_path, is
         return real_join(*args, **kwargs)
 
     try:
-        monkeypatch.setattr(pool_client.Fabric, "join", join_fails_once)
+        monkeypatch.setattr(pool_session.Fabric, "join", join_fails_once)
         with pytest.raises(ServiceUnavailable, match="injected"):
             owner.refresh()
         owner.refresh()  # the epoch was not recorded: this call catches up

@@ -7,9 +7,9 @@ import pytest
 from pool_testing import content
 
 from kvfabric.errors import KeyNotFound, LeaseExpired, OutOfSpace
-from kvfabric.pool import dataplane, reads
+from kvfabric.pool.client import dataplane, reads
 from kvfabric.pool.config import PoolConfig
-from kvfabric.pool.node import EmbeddedPool
+from kvfabric.pool.service.node import EmbeddedPool
 from kvfabric.pool.status import Status
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -1,7 +1,7 @@
 """Integrity of pool objects under a late writer and corrupted memory.
 
 A hit is never worse than a miss: a writer that wakes up after its lease ran out must not
-land on another object's memory (``pool/fence.py``), and bytes changed in a window after
+land on another object's memory (``pool/service/fence.py``), and bytes changed in a window after
 their writer sealed them are a miss (``CorruptObject`` / ``Status.CORRUPT``), never served.
 Each test plants the fault and then checks every object's bytes.
 """

@@ -63,9 +63,9 @@ def ensure_pool_daemon(socket: str, platform: Platform) -> None:
     """A pool daemon (threads of this process) on ``socket``, unless one answers there."""
     from kvfabric.errors import ServiceUnavailable
     from kvfabric.pool import protocol
+    from kvfabric.pool.client.rpc import SocketTransport
     from kvfabric.pool.config import PoolConfig
-    from kvfabric.pool.daemon import PoolDaemon
-    from kvfabric.pool.rpc import SocketTransport
+    from kvfabric.pool.service.daemon import PoolDaemon
 
     if socket in _daemons:
         return

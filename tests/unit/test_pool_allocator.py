@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfabric.pool.allocator import ExtentAllocator
+from kvfabric.pool.service.allocator import ExtentAllocator
 
 
 @settings(max_examples=80, deadline=None)

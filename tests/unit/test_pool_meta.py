@@ -11,7 +11,7 @@ import pytest
 from kvfabric.platform.types import Medium
 from kvfabric.pool import table as tbl
 from kvfabric.pool.config import PoolConfig
-from kvfabric.pool.meta import MetaService
+from kvfabric.pool.service.meta import MetaService
 from kvfabric.pool.status import Status
 from kvfabric.pool.table import SlotState
 from kvfabric.pool.windows import FixedStride

@@ -11,8 +11,8 @@ from multiprocessing.connection import Connection
 import pytest
 
 from kvfabric.pool import protocol as p
-from kvfabric.pool.rpc import SPIN_US, SocketTransport, spin_poll
-from kvfabric.pool.server import RpcServer
+from kvfabric.pool.client.rpc import SPIN_US, SocketTransport, spin_poll
+from kvfabric.pool.service.server import RpcServer
 
 
 def _pair() -> tuple[Connection, Connection]:
@@ -42,7 +42,7 @@ def test_spin_poll_sees_waiting_data_and_gives_up_without():
 
 
 def test_spin_gives_up_when_a_yield_shows_the_core_is_wanted(monkeypatch):
-    import kvfabric.pool.rpc as rpc
+    import kvfabric.pool.client.rpc as rpc
 
     a, b = _pair()
     yields = [0]
@@ -114,7 +114,7 @@ def test_calls_with_and_without_spinning(tmp_path, server_spin_us, client_spin_u
 
 
 def test_spin_governor_backs_off_under_preemption_and_tries_again(monkeypatch):
-    import kvfabric.pool.server as server
+    import kvfabric.pool.service.server as server
 
     count = [0]
     monkeypatch.setattr(server, "_preemptions", lambda: count[0])
@@ -139,7 +139,7 @@ def test_spin_governor_backs_off_under_preemption_and_tries_again(monkeypatch):
 
 
 def test_real_preemption_counter_moves_forward():
-    import kvfabric.pool.server as server
+    import kvfabric.pool.service.server as server
 
     a = server._preemptions()
     assert isinstance(a, int) and a >= 0 and server._preemptions() >= a

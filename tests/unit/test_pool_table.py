@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from kvfabric.errors import OutOfSpace
 from kvfabric.pool import table as tbl
+from kvfabric.pool.service.table_writer import TableWriter
 from kvfabric.pool.table import SlotState, TableRetired
-from kvfabric.pool.table_writer import TableWriter
 
 
 @pytest.fixture

@@ -149,7 +149,7 @@ class PoolStore(TaskStore):
         if cfg.socket or cfg.tcp:
             return cfg.connect(platform, **kwargs)
         from kvfabric.pool.config import PoolConfig
-        from kvfabric.pool.node import EmbeddedPool
+        from kvfabric.pool.service.node import EmbeddedPool
 
         self._embedded = EmbeddedPool(PoolConfig(name=cfg.name, dram=cfg.embedded_dram), platform)
         return self._embedded.client(**kwargs)

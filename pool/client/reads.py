@@ -19,7 +19,6 @@ logged once, and the object removed so the next put rewrites it.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,12 +26,10 @@ from kvfabric.errors import CorruptObject, KeyNotFound, LeaseExpired, TransferFa
 from kvfabric.platform import checksum
 from kvfabric.platform.checksum import Verify
 from kvfabric.pool import protocol as p
-from kvfabric.pool.dataplane import require
+from kvfabric.pool.client.dataplane import require
+from kvfabric.pool.client.session import Session
 from kvfabric.pool.status import Status
 from kvfabric.pool.table import SlotState, ticks_passed
-
-if TYPE_CHECKING:
-    from kvfabric.pool.client import PoolClient
 
 RETRIES = 4
 _READABLE = int(SlotState.READABLE)
@@ -40,10 +37,10 @@ log = logging.getLogger("kvfabric.pool")
 
 
 class Reader:
-    """The read side of one :class:`PoolClient` (see module docstring)."""
+    """The read side of one pool client, over its :class:`Session` (see module docstring)."""
 
-    def __init__(self, client: PoolClient) -> None:
-        self.c = client
+    def __init__(self, session: Session) -> None:
+        self.c = session
         self.corrupt = 0  # reads whose bytes did not match the writer's checksum
         self.unverified = 0  # reads that could not be checked (no checksum, or device memory afar)
 
@@ -78,7 +75,7 @@ class Reader:
             "" if self.corrupt == 1 else f" ({self.corrupt} so far)",
         )
         try:
-            c._call(p.Remove([key]))
+            c.call(p.Remove([key]))
         except Exception as e:  # noqa: BLE001 - best effort: the read is a miss either way
             log.debug("removing corrupt pool key %r: %s", key, e)
         return False
@@ -98,7 +95,7 @@ class Reader:
     def get_into(self, key: bytes, ptr: int, nbytes: int) -> int:
         """The hot path of a single zero-copy read (no arrays, no RPC on the node)."""
         c = self.c
-        c._require_data()
+        c.require_data()
         if nbytes <= 0:
             raise ValueError(f"buffer size must be > 0, got {nbytes}")
         host_user = c.dp.check_user_one(ptr, nbytes)
@@ -123,7 +120,7 @@ class Reader:
 
     def get_into_layers(self, key: bytes, ptrs: np.ndarray, sizes: np.ndarray, exact: bool = True) -> int:
         c = self.c
-        c._require_data()
+        c.require_data()
         host_user = c.dp.check_user(ptrs, sizes)
         table = c.table
         if table is None:
@@ -161,7 +158,7 @@ class Reader:
 
     def get_or_none(self, key: bytes) -> bytes | None:
         c = self.c
-        c._require_data()
+        c.require_data()
         for _ in range(RETRIES):
             size = self._peek_size(key)
             if size is None:
@@ -184,14 +181,14 @@ class Reader:
         if c.table is not None:
             hit = c.table.lookup(key)
             return hit.size if hit is not None and hit.state == SlotState.READABLE else None
-        r = c._call(p.Lookup([key], lease=False))
+        r = c.call(p.Lookup([key], lease=False))
         return r.sizes[0] if r.status[0] == Status.OK else None
 
     # ------------------------------------------------------------------ batch gets
     def batch_get_into_layers(self, keys: list[bytes], P: np.ndarray, S: np.ndarray) -> np.ndarray:
         """Per-key status; objects whose size differs from the pieces' total are INVALID."""
         c = self.c
-        c._require_data()
+        c.require_data()
         if P.shape != S.shape or P.shape[0] != len(keys):
             raise ValueError(f"ptrs {P.shape} / sizes {S.shape} do not match {len(keys)} keys")
         status = np.full(len(keys), Status.NOT_FOUND, np.int8)
@@ -244,14 +241,14 @@ class Reader:
     # ------------------------------------------------------------------ remote path
     def _rpc_get(self, key: bytes, ptrs: np.ndarray, sizes: np.ndarray, host_user: bool, exact: bool) -> int:
         c = self.c
-        r = c._call(p.Lookup([key], lease=True))
+        r = c.call(p.Lookup([key], lease=True))
         if r.status[0] != Status.OK:
             raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
         try:
             _check_size(key, r.sizes[0], int(sizes.sum()), exact)
             ranges = self._copy_out(r.gvas[0], r.sizes[0], ptrs, sizes, host_user)
         finally:
-            rel = c._call(p.Release([r.lease_ids[0]])).status[0]
+            rel = c.call(p.Release([r.lease_ids[0]])).status[0]
         if rel != Status.OK:
             raise LeaseExpired(
                 f"read lease of pool key {key.decode(errors='replace')!r} expired during the copy; "

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from kvfabric.pool import protocol as p
-from kvfabric.pool.dispatch import Dispatcher
+from kvfabric.pool.service.dispatch import Dispatcher
 
 
 def _handler(dispatcher: Dispatcher) -> type[BaseHTTPRequestHandler]:

@@ -32,9 +32,9 @@ import threading
 from multiprocessing.connection import Connection, Listener
 
 from kvfabric.pool import protocol as p
-from kvfabric.pool.dispatch import Dispatcher
+from kvfabric.pool.client.rpc import spin_poll
 from kvfabric.pool.gva.rendezvous.peer import peer_pid
-from kvfabric.pool.rpc import spin_poll
+from kvfabric.pool.service.dispatch import Dispatcher
 
 log = logging.getLogger("kvfabric.pool.server")
 TICK_S = 0.1

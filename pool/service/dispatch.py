@@ -35,8 +35,8 @@ from kvfabric.pool.keys import (
     check_lengths,
     check_sizes,
 )
-from kvfabric.pool.meta import MetaService
-from kvfabric.pool.metrics import PoolMetrics
+from kvfabric.pool.service.meta import MetaService
+from kvfabric.pool.service.metrics import PoolMetrics
 
 log = logging.getLogger("kvfabric.pool")
 

@@ -10,9 +10,11 @@ READABLE (or frees them on failure); ``lookup`` hands out read leases (for reade
 cannot use the shared table); ``release`` ends them and says whether the object stayed
 intact; ``remove``/``remove_all``/``drop_rank`` make objects disappear at once (space
 under a read lease is freed when the last lease ends); ``reregister`` rebuilds the
-directory from ranks that own data after a restart; ``tick`` expires leases and TTLs.
+directory from ranks that own data after a restart; ``tick`` (the upkeep) expires write
+leases (handing late writers to the write fence, ``fence.py``), read leases and TTLs.
 Eviction is LRU by bytes per window, from ``high_watermark`` down to ``low_watermark``,
-and never touches objects under a lease or not yet READABLE.
+and never touches objects under a lease or not yet READABLE. The records it keeps
+(windows, leases, counters) are in ``records.py``.
 """
 
 from __future__ import annotations
@@ -25,19 +27,19 @@ import numpy as np
 
 from kvfabric.errors import OutOfSpace
 from kvfabric.platform.types import Medium
-from kvfabric.pool.allocator import ExtentAllocator
 from kvfabric.pool.config import PoolConfig
-from kvfabric.pool.fence import WriteFence
+from kvfabric.pool.service.allocator import ExtentAllocator
+from kvfabric.pool.service.fence import WriteFence
+from kvfabric.pool.service.records import Counters, ReadLease, Window, WriteLease
+from kvfabric.pool.service.table_writer import TableWriter
 from kvfabric.pool.status import Status
 from kvfabric.pool.table import SlotState, TableView, now_ticks, ticks_passed
-from kvfabric.pool.table_writer import TableWriter
-from kvfabric.pool.upkeep import Counters, ReadLease, Upkeep, Window, WriteLease
 from kvfabric.pool.windows import Addressing
 
 log = logging.getLogger("kvfabric.pool")
 
 
-class MetaService(Upkeep):
+class MetaService:
     """See module docstring. ``clock`` is injectable for tests (seconds, monotonic)."""
 
     def __init__(
@@ -388,6 +390,60 @@ class MetaService(Upkeep):
             }
             for w in sorted(self.windows.values(), key=lambda w: (w.rank, w.medium.value))
         ]
+
+    # ------------------------------------------------------------------ eviction
+    def _evict(self, w: Window, need: int) -> bool:
+        """Evict LRU objects of ``w`` until ``need`` bytes fit or nothing is evictable."""
+        s = self.table.slots
+        idx = self._slots_in(w)
+        idx = idx[s["state"][idx] == SlotState.READABLE]
+        if self._leased:
+            leased = np.fromiter(self._leased, np.uint64, len(self._leased))
+            idx = idx[~np.isin(s["gva"][idx], leased)]
+        order = idx[np.argsort(s["atime"][idx], kind="stable")]
+        target = int(w.size * self.config.low_watermark)
+        for slot_i in order.tolist():
+            if w.alloc.largest_free >= w.alloc.round(need) and w.alloc.used <= target:
+                break
+            key = self.table.view.key_of(slot_i)
+            hit = self.table.find(key)
+            if hit is None:
+                continue
+            self._free_object(hit.slot, key, hit.gva, hit.size)
+            w.evictions += 1
+            self.counters.evicted_objects += 1
+            self.counters.evicted_bytes += hit.size
+        return w.alloc.largest_free >= w.alloc.round(need)
+
+    def _watermark(self, w: Window) -> None:
+        if w.alloc.used > w.size * self.config.high_watermark:
+            self._evict(w, need=1)
+
+    # ------------------------------------------------------------------ housekeeping
+    def tick(self) -> None:
+        """Expire write leases (space reclaimed), read leases and TTLs."""
+        now = self.clock()
+        expired = []
+        for key in [k for k, lease in self.write_leases.items() if lease.expires < now]:
+            lease = self.write_leases.pop(key)
+            hit = self.table.find(key)
+            if hit is not None and hit.gen == lease.gen and hit.state == SlotState.ALLOCATED:
+                expired.append((key, lease))
+            self.counters.expired_leases += 1
+        if expired:
+            self.fence.close(expired, now)
+        self.fence.sweep(now)
+        for lid in [i for i, lease in self.read_leases.items() if lease.expires < now]:
+            self._end_read_lease(lid)
+            self.counters.expired_leases += 1
+        s = self.table.slots
+        exp = np.flatnonzero((s["hash"] != 0) & (s["expire"] != 0))
+        for slot_i in exp.tolist():
+            if ticks_passed(int(s["expire"][slot_i])):
+                key = self.table.view.key_of(slot_i)
+                hit = self.table.find(key)
+                if hit is not None:
+                    self._free_object(hit.slot, key, hit.gva, hit.size)
 
 
 __all__ = ["MetaService", "Status", "Window"]

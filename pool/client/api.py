@@ -7,7 +7,8 @@ are mapped here and copied with plain memory copies; windows elsewhere are reach
 through the fabric's remote transport. Reads on the node look keys up in the shared
 directory table, copy, and re-check the slot afterwards, so an object removed or evicted
 meanwhile is a miss or a retry, never wrong bytes (``reads.py``); writes are in
-``writes.py``.
+``writes.py``; both work over the client's ``Session`` (``session.py``: the RPCs, the
+fabric rank, the mapped table, catching up with a restarted service).
 
 Buffers: zero-copy calls take addresses of memory the client's platform knows
 (``register_buffer`` for caller memory, or buffers from ``platform.alloc`` / ``wrap``);
@@ -32,10 +33,6 @@ next put rewrites it. Writes stop before their lease runs out (``writes.py``).
 
 from __future__ import annotations
 
-import logging
-import os
-import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,30 +45,13 @@ from kvfabric.platform.checksum import Verify
 from kvfabric.platform.procmaps import check_mapped
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
-from kvfabric.pool.dataplane import FabricDataPlane
-from kvfabric.pool.gva.config import GvaConfig
-from kvfabric.pool.gva.fabric import Fabric
+from kvfabric.pool.client.reads import Reader
+from kvfabric.pool.client.rpc import Transport
+from kvfabric.pool.client.session import Session
+from kvfabric.pool.client.writes import Writer, u64
 from kvfabric.pool.keys import check_int, encode_key, encode_keys
-from kvfabric.pool.reads import Reader
-from kvfabric.pool.rpc import Transport
 from kvfabric.pool.status import Status
-from kvfabric.pool.table import TableRetired, TableView, attach
-from kvfabric.pool.windows import FixedStride
-from kvfabric.pool.writes import Writer, u64
-
-log = logging.getLogger("kvfabric.pool.client")
-JOIN_VISIBLE_S = 5.0
-
-
-def gva_config(info: dict[str, Any]) -> GvaConfig:
-    """The fabric configuration every rank of a pool shares (from the service's Info)."""
-    return GvaConfig(
-        namespace=info["namespace"],
-        dram_stride=info["stride"],
-        hbm_stride=info["stride"],
-        transports=tuple(t.strip() for t in info["transports"].split(",") if t.strip()),
-        heartbeat_ttl=info.get("session_ttl_s", 10.0),
-    )
+from kvfabric.pool.table import TableView
 
 
 class PoolClient:
@@ -89,130 +69,53 @@ class PoolClient:
         client_id: str | None = None,
         verify: Verify | str | bool | None = None,
     ) -> None:
-        self.transport = transport
-        self.platform = platform
-        self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.metadata_only = metadata_only
-        self.local_reads = local_reads
-        self.table: TableView | None = None
-        self.fabric: Fabric | None = None
-        self.dp: FabricDataPlane = None  # type: ignore[assignment]
-        self.rank: int | None = None
-        self._window: Buffer | None = None
-        self._epoch = 0
-        self._closed = False
-        self.writer = Writer(self)
-        self.reader = Reader(self)
-        info = self._call(p.Info()).data
-        self.addr = FixedStride(info["stride"])
-        self.write_lease_s = float(info.get("write_lease_s", 10.0))
-        self.verify = Verify.parse(info.get("verify", "on") if verify is None else verify)
-        try:
-            if not metadata_only:
-                if window_bytes:
-                    self._window = platform.alloc(window_bytes, window_medium, shareable=True)
-                self._join(info, rank=None)
-            self._attach(info)
-        except BaseException:
-            self.close()
-            raise
-
-    # ------------------------------------------------------------------ plumbing
-    def _call(self, req: Any) -> p.Reply:
-        reply = self.transport.call(req)
-        if self._epoch and reply.epoch != self._epoch:
-            self._on_restart(reply.epoch)
-        self._epoch = reply.epoch
-        return reply
-
-    def _join(self, info: dict[str, Any], rank: int | None, token: str | None = None) -> None:
-        windows = {self._window.medium: self._window} if self._window is not None else {}
-        self.fabric = Fabric.join(
-            info["rendezvous"], self.platform, windows, rank=rank, config=gva_config(info), token=token
+        self.session = Session(
+            transport,
+            platform,
+            window_bytes=window_bytes,
+            window_medium=window_medium,
+            metadata_only=metadata_only,
+            local_reads=local_reads,
+            client_id=client_id,
+            verify=verify,
         )
-        self.rank = self.fabric.rank
-        self.fabric.on_evicted(lambda why: log.info("pool rank %s left the fabric: %s", self.rank, why))
-        self.dp = FabricDataPlane(self.fabric)
-        if self._window is not None:  # the service places objects here once it saw us join
-            deadline = time.monotonic() + JOIN_VISIBLE_S
-            while self.rank not in self.transport.call(p.Info()).data["ranks"]:
-                if time.monotonic() > deadline:
-                    log.warning("the pool service has not seen rank %s join yet", self.rank)
-                    break
-                time.sleep(0.01)
+        self.writer = Writer(self.session)
+        self.reader = Reader(self.session)
 
-    def _attach(self, info: dict[str, Any]) -> None:
-        """Map the service's directory table (same node only)."""
-        if self.metadata_only and not self.local_reads:
-            return
-        if self.local_reads and (self.table is None or self.table.seg.name != info["table"]):
-            old, self.table = self.table, None
-            if old is not None:
-                old.close()
-            try:
-                self.table = attach(info["table"], info["table_bytes"])
-            except Exception as e:  # noqa: BLE001 - another node: no shared table, use RPC
-                log.info("pool directory table not mapped (%s); reads use RPC leases", e)
+    # ------------------------------------------------------------------ the session's state
+    transport = property(lambda self: self.session.transport)
+    platform = property(lambda self: self.session.platform)
+    client_id = property(lambda self: self.session.client_id)
+    metadata_only = property(lambda self: self.session.metadata_only)
+    local_reads = property(lambda self: self.session.local_reads)
+    fabric = property(lambda self: self.session.fabric)
+    dp = property(lambda self: self.session.dp)
+    rank = property(lambda self: self.session.rank)
+    addr = property(lambda self: self.session.addr)
+    write_lease_s = property(lambda self: self.session.write_lease_s)
 
-    def _read(self, fn: Any, *args: Any) -> Any:
-        """Run a read; if the service restarted under it (table retired), catch up once."""
-        try:
-            return fn(*args)
-        except TableRetired:
-            self.refresh()
-            return fn(*args)
+    @property
+    def table(self) -> TableView | None:
+        return self.session.table
+
+    @table.setter
+    def table(self, table: TableView | None) -> None:  # a test forcing the RPC read path
+        self.session.table = table
+
+    @property
+    def verify(self) -> Verify:
+        return self.session.verify
+
+    @verify.setter
+    def verify(self, verify: Verify) -> None:
+        self.session.verify = verify
 
     def refresh(self) -> None:
         """Re-read the service's state (a restart is noticed and caught up with here)."""
-        self._attach(self._call(p.Info()).data)
-
-    def _on_restart(self, epoch: int) -> None:
-        """The meta service restarted: rejoin its fabric and re-register the objects this
-        client's window holds. A client with a window reclaims its rank with its previous
-        token (the restarted daemon reserved the rank for it, so a client that rejoins
-        first cannot take it); if the rank went to someone else anyway its objects are
-        dropped, never re-registered at addresses of another rank. The new epoch is
-        recorded by the caller only after this returns, so a catch-up that fails half-way
-        is tried again on the next call."""
-        log.warning("pool meta service restarted (epoch %x -> %x); rejoining", self._epoch, epoch)
-        info = self.transport.call(p.Info()).data
-        if self.fabric is not None:
-            token = self.fabric.token
-            try:
-                self.fabric.leave()
-            except Exception as e:  # noqa: BLE001 - its store died with the old service
-                log.debug("leaving the old fabric: %s", e)
-            if self._window is None:
-                self._join(info, rank=None)
-            else:
-                try:
-                    self._join(info, rank=self.rank, token=token)
-                except ValueError as e:
-                    log.warning(
-                        "pool rank %s not reclaimed after the restart (%s); its window's objects are dropped",
-                        self.rank,
-                        e,
-                    )
-                    self.writer.forget()
-                    self._join(info, rank=None)
-        items = self.writer.owned_items()
-        if items:
-            keys = [k for k, _ in items]
-            gv, sz, gn, sm = zip(*(v for _, v in items))
-            self.transport.call(p.Reregister(keys, list(gv), list(sz), list(gn), list(sm)))
-        self._attach(info)
+        self.session.refresh()
 
     def in_own_window(self, gva: int) -> bool:
-        if self.rank is None or self._window is None:
-            return False
-        lo = self.addr.encode(self._window.medium, self.rank, 0)
-        return lo <= gva < lo + self._window.nbytes
-
-    def _require_data(self) -> None:
-        if self.metadata_only:
-            raise ValueError("a metadata-only pool client cannot move object bytes")
-        if self._closed:
-            raise ValueError("pool client is closed")
+        return self.session.in_own_window(gva)
 
     # ------------------------------------------------------------------ metadata
     def exists(self, key: str) -> bool:
@@ -221,24 +124,24 @@ class PoolClient:
     def batch_exists(self, keys: Sequence[str]) -> np.ndarray:
         kb = encode_keys(keys)
         if self.table is not None:
-            return self._read(self.reader.exists_local, kb)
-        return np.array(self._call(p.Exists(kb)).flags, dtype=bool)
+            return self.session.read(self.reader.exists_local, kb)
+        return np.array(self.session.call(p.Exists(kb)).flags, dtype=bool)
 
     def remove(self, key: str) -> bool:
         return self.batch_remove([key])[0] == Status.OK
 
     def batch_remove(self, keys: Sequence[str]) -> np.ndarray:
         kb = encode_keys(keys)
-        st = np.array(self._call(p.Remove(kb)).status, np.int8)
-        self.writer.forget(kb)
+        st = np.array(self.session.call(p.Remove(kb)).status, np.int8)
+        self.session.owned.forget(kb)
         return st
 
     def remove_all(self) -> int:
-        self.writer.forget()
-        return int(self._call(p.RemoveAll()).data["removed"])
+        self.session.owned.forget()
+        return int(self.session.call(p.RemoveAll()).data["removed"])
 
     def info(self) -> dict[str, Any]:
-        return dict(self._call(p.Info()).data)
+        return dict(self.session.call(p.Info()).data)
 
     # ------------------------------------------------------------------ buffers
     def register_buffer(self, ptr: int, nbytes: int) -> Buffer:
@@ -302,46 +205,34 @@ class PoolClient:
     def get_into(self, key: str, ptr: int, nbytes: int) -> int:
         """Copy the object into ``[ptr, ptr + nbytes)``; its size. ``KeyNotFound`` if absent."""
         ptr, nbytes = check_int(ptr, "ptr", 1), check_int(nbytes, "nbytes", 1)
-        return self._read(self.reader.get_into, encode_key(key), ptr, nbytes)
+        return self.session.read(self.reader.get_into, encode_key(key), ptr, nbytes)
 
     def get_into_layers(self, key: str, ptrs: Any, sizes: Any) -> int:
         P, S = u64(ptrs, "ptrs"), u64(sizes, "sizes", positive=True)
-        return self._read(self.reader.get_into_layers, encode_key(key), P, S)
+        return self.session.read(self.reader.get_into_layers, encode_key(key), P, S)
 
     def batch_get_into(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
         P, S = u64(ptrs, "ptrs")[:, None], u64(sizes, "sizes", positive=True)[:, None]
-        return self._read(self.reader.batch_get_into_layers, encode_keys(keys), P, S)
+        return self.session.read(self.reader.batch_get_into_layers, encode_keys(keys), P, S)
 
     def batch_get_into_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
         kb = encode_keys(keys)
         P = u64(ptrs, "ptrs").reshape(len(kb), -1)
         S = u64(sizes, "sizes", positive=True).reshape(np.shape(sizes))
         S = np.broadcast_to(S, P.shape) if S.ndim == 1 else S
-        return self._read(self.reader.batch_get_into_layers, kb, P, S)
+        return self.session.read(self.reader.batch_get_into_layers, kb, P, S)
 
     def get(self, key: str) -> bytes:
-        return self._read(self.reader.get, encode_key(key))
+        return self.session.read(self.reader.get, encode_key(key))
 
     def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [self._read(self.reader.get_or_none, k) for k in encode_keys(keys)]
+        return [self.session.read(self.reader.get_or_none, k) for k in encode_keys(keys)]
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Leave the fabric (the service then drops this rank's objects) and release
         the window and the table. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.fabric is not None:
-            try:
-                self.fabric.leave()
-            except Exception as e:  # noqa: BLE001 - closing: the service may be gone
-                log.debug("leaving the pool fabric: %s", e)
-        if self._window is not None and not self._window.freed:
-            self.platform.free(self._window)
-        if self.table is not None:
-            self.table.close()
-        self.transport.close()
+        self.session.close()
 
     def __enter__(self) -> PoolClient:
         return self

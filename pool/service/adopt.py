@@ -6,7 +6,7 @@ segments that survive a crash). For each it:
 * retires it, so readers still mapping it stop trusting it and fetch the new table;
 * fences every extent the previous service had handed out but not published
   (``ALLOCATED``) or had fenced itself (``REMOVING``): their writers may still be
-  copying (``pool/fence.py``);
+  copying (``pool/service/fence.py``);
 * when this node's own window survived, re-enters that window's readable objects with
   their checksums (``MetaService.reregister``);
 
@@ -24,7 +24,7 @@ import numpy as np
 from kvfabric.platform import shm
 from kvfabric.platform.types import Medium
 from kvfabric.pool import table as tbl
-from kvfabric.pool.meta import MetaService
+from kvfabric.pool.service.meta import MetaService
 
 log = logging.getLogger("kvfabric.pool")
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvfabric.pool.status import Status
 
 if TYPE_CHECKING:
-    from kvfabric.pool.meta import MetaService
+    from kvfabric.pool.service.meta import MetaService
 
 
 class PoolMetrics:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -31,12 +31,10 @@ from kvfabric.errors import LeaseExpired
 from kvfabric.platform import checksum
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
-from kvfabric.pool.dataplane import require
+from kvfabric.pool.client.dataplane import require
+from kvfabric.pool.client.session import Session
 from kvfabric.pool.keys import U64_MAX, as_u64, check_count, check_sizes, encode_keys
 from kvfabric.pool.status import Status
-
-if TYPE_CHECKING:
-    from kvfabric.pool.client import PoolClient
 
 
 def u64(values: Any, name: str = "values", positive: bool = False) -> np.ndarray:
@@ -59,13 +57,12 @@ def lease_margin(lease_s: float) -> float:
 
 
 class Writer:
-    """The write side of one :class:`PoolClient` (see module docstring)."""
+    """The write side of one pool client, over its :class:`Session` (see module docstring)."""
 
-    def __init__(self, client: PoolClient) -> None:
-        self.c = client
+    def __init__(self, session: Session) -> None:
+        self.c = session
         self._lock = threading.Lock()
         self.pending: dict[bytes, tuple[int, int, int, float]] = {}  # gva, size, gen, alloc sent at
-        self.owned: dict[bytes, tuple[int, int, int, int]] = {}  # in our own window: gva, size, gen, sum
         self.abandoned = 0  # puts given up because their lease was about to run out
 
     def batch_alloc(
@@ -81,9 +78,9 @@ class Writer:
             raise ValueError(f"batch_alloc: {len(kb)} keys but {len(sz)} sizes")
         check_count(kb, "keys")
         c = self.c
-        c._require_data()
+        c.require_data()
         sent = time.monotonic()  # the lease started no earlier than this
-        r = c._call(
+        r = c.call(
             p.Alloc(c.client_id, kb, sz, c.rank, preferred_rank, None if medium is None else medium.value)
         )
         with self._lock:
@@ -108,7 +105,7 @@ class Writer:
         if stale:
             renew = [kb[i] for i in stale]
             t = time.monotonic()
-            st = c._call(p.Renew(c.client_id, renew)).status
+            st = c.call(p.Renew(c.client_id, renew)).status
             with self._lock:
                 for i, k, s in zip(stale, renew, st):
                     if s == Status.OK and k in self.pending:
@@ -176,12 +173,12 @@ class Writer:
                 for e, f in zip(entries, flags)
             ]
         sums = [int(x) for x in sums]
-        st = c._call(p.Commit(c.client_id, kb, flags, ttl_s, sums)).status
+        st = c.call(p.Commit(c.client_id, kb, flags, ttl_s, sums)).status
         with self._lock:
             for k, s, f, h in zip(kb, st, flags, sums):
                 entry = self.pending.pop(k, None)
                 if entry is not None and s == Status.OK and f and c.in_own_window(entry[0]):
-                    self.owned[k] = (entry[0], entry[1], entry[2], h)
+                    c.owned.add(k, (entry[0], entry[1], entry[2], h))
         return np.array(st, np.int8)
 
     def batch_put_from_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
@@ -288,14 +285,3 @@ class Writer:
             )
         finally:
             self.c.platform.free(buf)
-
-    def owned_items(self) -> list[tuple[bytes, tuple[int, int, int, int]]]:
-        with self._lock:
-            return list(self.owned.items())
-
-    def forget(self, keys: list[bytes] | None = None) -> None:
-        with self._lock:
-            if keys is None:
-                self.owned.clear()
-            for k in keys or []:
-                self.owned.pop(k, None)

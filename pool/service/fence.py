@@ -44,8 +44,8 @@ from kvfabric.platform import shm
 from kvfabric.pool.table import SlotState
 
 if TYPE_CHECKING:
-    from kvfabric.pool.table_writer import TableWriter
-    from kvfabric.pool.upkeep import Counters, Window, WriteLease
+    from kvfabric.pool.service.records import Counters, Window, WriteLease
+    from kvfabric.pool.service.table_writer import TableWriter
 
 log = logging.getLogger("kvfabric.pool")
 

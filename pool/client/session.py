@@ -1,0 +1,235 @@
+"""``Session``: one pool client's link to its pool, under the read and write paths.
+
+It holds what both paths use: the transport to the meta service (``call``, which notices
+a restarted service by its epoch and catches up before returning), the client's rank in
+the pool's GVA fabric and its data plane (``dp``), the directory table mapped from the
+service (same node only; ``read`` retries once when the service retired it), and the
+objects this client's own window holds (``owned``), which it re-registers with a
+restarted service. :class:`~kvfabric.pool.client.reads.Reader` and
+:class:`~kvfabric.pool.client.writes.Writer` work over a session;
+:class:`~kvfabric.pool.client.api.PoolClient` composes the three.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from kvfabric.platform.base import Platform
+from kvfabric.platform.buffer import Buffer
+from kvfabric.platform.checksum import Verify
+from kvfabric.platform.types import Medium
+from kvfabric.pool import protocol as p
+from kvfabric.pool.client.dataplane import FabricDataPlane
+from kvfabric.pool.client.rpc import Transport
+from kvfabric.pool.gva.config import GvaConfig
+from kvfabric.pool.gva.fabric import Fabric
+from kvfabric.pool.table import TableRetired, TableView, attach
+from kvfabric.pool.windows import FixedStride
+
+log = logging.getLogger("kvfabric.pool.client")
+JOIN_VISIBLE_S = 5.0
+
+
+def gva_config(info: dict[str, Any]) -> GvaConfig:
+    """The fabric configuration every rank of a pool shares (from the service's Info)."""
+    return GvaConfig(
+        namespace=info["namespace"],
+        dram_stride=info["stride"],
+        hbm_stride=info["stride"],
+        transports=tuple(t.strip() for t in info["transports"].split(",") if t.strip()),
+        heartbeat_ttl=info.get("session_ttl_s", 10.0),
+    )
+
+
+class OwnedObjects:
+    """The committed objects that lie in this client's own window: key -> (gva, size, gen,
+    checksum). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._objects: dict[bytes, tuple[int, int, int, int]] = {}
+
+    def add(self, key: bytes, entry: tuple[int, int, int, int]) -> None:
+        with self._lock:
+            self._objects[key] = entry
+
+    def items(self) -> list[tuple[bytes, tuple[int, int, int, int]]]:
+        with self._lock:
+            return list(self._objects.items())
+
+    def forget(self, keys: list[bytes] | None = None) -> None:
+        """Forget ``keys`` (all when None): removed, or no longer ours."""
+        with self._lock:
+            if keys is None:
+                self._objects.clear()
+            else:
+                for k in keys:
+                    self._objects.pop(k, None)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+
+class Session:
+    """See module docstring. Arguments as :class:`~kvfabric.pool.client.api.PoolClient`'s."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        platform: Platform,
+        *,
+        window_bytes: int = 0,
+        window_medium: Medium = Medium.DRAM,
+        metadata_only: bool = False,
+        local_reads: bool = True,
+        client_id: str | None = None,
+        verify: Verify | str | bool | None = None,
+    ) -> None:
+        self.transport = transport
+        self.platform = platform
+        self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.metadata_only = metadata_only
+        self.local_reads = local_reads
+        self.table: TableView | None = None
+        self.fabric: Fabric | None = None
+        self.dp: FabricDataPlane = None  # type: ignore[assignment]
+        self.rank: int | None = None
+        self.owned = OwnedObjects()
+        self.closed = False
+        self._window: Buffer | None = None
+        self._epoch = 0
+        info = self.call(p.Info()).data
+        self.addr = FixedStride(info["stride"])
+        self.write_lease_s = float(info.get("write_lease_s", 10.0))
+        self.verify = Verify.parse(info.get("verify", "on") if verify is None else verify)
+        try:
+            if not metadata_only:
+                if window_bytes:
+                    self._window = platform.alloc(window_bytes, window_medium, shareable=True)
+                self._join(info, rank=None)
+            self._attach(info)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ for the paths
+    def call(self, req: Any) -> p.Reply:
+        """One metadata RPC; a restarted service is caught up with before the reply returns."""
+        reply = self.transport.call(req)
+        if self._epoch and reply.epoch != self._epoch:
+            self._on_restart(reply.epoch)
+        self._epoch = reply.epoch
+        return reply
+
+    def read(self, fn: Any, *args: Any) -> Any:
+        """Run a read; if the service restarted under it (table retired), catch up once."""
+        try:
+            return fn(*args)
+        except TableRetired:
+            self.refresh()
+            return fn(*args)
+
+    def refresh(self) -> None:
+        """Re-read the service's state (a restart is noticed and caught up with here)."""
+        self._attach(self.call(p.Info()).data)
+
+    def require_data(self) -> None:
+        if self.metadata_only:
+            raise ValueError("a metadata-only pool client cannot move object bytes")
+        if self.closed:
+            raise ValueError("pool client is closed")
+
+    def in_own_window(self, gva: int) -> bool:
+        if self.rank is None or self._window is None:
+            return False
+        lo = self.addr.encode(self._window.medium, self.rank, 0)
+        return lo <= gva < lo + self._window.nbytes
+
+    # ------------------------------------------------------------------ joining
+    def _join(self, info: dict[str, Any], rank: int | None, token: str | None = None) -> None:
+        windows = {self._window.medium: self._window} if self._window is not None else {}
+        self.fabric = Fabric.join(
+            info["rendezvous"], self.platform, windows, rank=rank, config=gva_config(info), token=token
+        )
+        self.rank = self.fabric.rank
+        self.fabric.on_evicted(lambda why: log.info("pool rank %s left the fabric: %s", self.rank, why))
+        self.dp = FabricDataPlane(self.fabric)
+        if self._window is not None:  # the service places objects here once it saw us join
+            deadline = time.monotonic() + JOIN_VISIBLE_S
+            while self.rank not in self.transport.call(p.Info()).data["ranks"]:
+                if time.monotonic() > deadline:
+                    log.warning("the pool service has not seen rank %s join yet", self.rank)
+                    break
+                time.sleep(0.01)
+
+    def _attach(self, info: dict[str, Any]) -> None:
+        """Map the service's directory table (same node only)."""
+        if self.metadata_only and not self.local_reads:
+            return
+        if self.local_reads and (self.table is None or self.table.seg.name != info["table"]):
+            old, self.table = self.table, None
+            if old is not None:
+                old.close()
+            try:
+                self.table = attach(info["table"], info["table_bytes"])
+            except Exception as e:  # noqa: BLE001 - another node: no shared table, use RPC
+                log.info("pool directory table not mapped (%s); reads use RPC leases", e)
+
+    def _on_restart(self, epoch: int) -> None:
+        """The meta service restarted: rejoin its fabric and re-register the objects this
+        client's window holds. A client with a window reclaims its rank with its previous
+        token (the restarted daemon reserved the rank for it, so a client that rejoins
+        first cannot take it); if the rank went to someone else anyway its objects are
+        dropped, never re-registered at addresses of another rank. The new epoch is
+        recorded by the caller only after this returns, so a catch-up that fails half-way
+        is tried again on the next call."""
+        log.warning("pool meta service restarted (epoch %x -> %x); rejoining", self._epoch, epoch)
+        info = self.transport.call(p.Info()).data
+        if self.fabric is not None:
+            token = self.fabric.token
+            try:
+                self.fabric.leave()
+            except Exception as e:  # noqa: BLE001 - its store died with the old service
+                log.debug("leaving the old fabric: %s", e)
+            if self._window is None:
+                self._join(info, rank=None)
+            else:
+                try:
+                    self._join(info, rank=self.rank, token=token)
+                except ValueError as e:
+                    log.warning(
+                        "pool rank %s not reclaimed after the restart (%s); its window's objects are dropped",
+                        self.rank,
+                        e,
+                    )
+                    self.owned.forget()
+                    self._join(info, rank=None)
+        items = self.owned.items()
+        if items:
+            keys = [k for k, _ in items]
+            gv, sz, gn, sm = zip(*(v for _, v in items))
+            self.transport.call(p.Reregister(keys, list(gv), list(sz), list(gn), list(sm)))
+        self._attach(info)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Leave the fabric (the service then drops this rank's objects) and release
+        the window and the table. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.fabric is not None:
+            try:
+                self.fabric.leave()
+            except Exception as e:  # noqa: BLE001 - closing: the service may be gone
+                log.debug("leaving the pool fabric: %s", e)
+        if self._window is not None and not self._window.freed:
+            self.platform.free(self._window)
+        if self.table is not None:
+            self.table.close()
+        self.transport.close()
