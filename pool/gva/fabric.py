@@ -181,7 +181,16 @@ class Fabric(FabricCopies):
             t.ctx = TransportContext(plat, cfg, self.rank, self.node)
         self._install(SegmentTable.derive(rec))
         period = max(min(1.0, cfg.unmap_grace / 2 or 1.0), 0.05)
-        self._monitor = Monitor(self, self.store, ns, period)
+        self._monitor = Monitor(
+            self.rank,
+            self.token,
+            self.store,
+            ns,
+            period,
+            on_table=self._install,
+            on_reap=self._reap,
+            on_lost=self._session_lost,
+        )
         self._monitor.start()
         log.info("rank %d joined %r on %s (segment table v%d)", self.rank, ns, self.node, self.table.version)
         log.debug("%s", self.table.describe())

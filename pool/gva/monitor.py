@@ -2,7 +2,7 @@
 
 It watches the pool's membership prefix (``{ns}/m/``) from one revision to the next:
 
-* a new membership record -> ``fabric._install`` (map new same-node windows, retire
+* a new membership record -> ``on_table`` (map new same-node windows, retire
   those of departed ranks, tell subscribers);
 * a member whose ephemeral ``alive`` key is gone (its session ended: the process died,
   closed its store, or missed heartbeats for ``ttl`` seconds) -> ``membership.remove``.
@@ -14,12 +14,16 @@ re-reads everything with ``range``. Between events it unmaps retired windows who
 has passed.
 
 Losing the store session (``store.session_lost``: the connection closed, the lease
-expired) ends the thread and marks the fabric evicted. Any other ``ServiceUnavailable``
-(a reply that came late on a loaded machine, one failed HTTP request to etcd) is not an
-eviction: the monitor waits a period and re-reads everything; only when such failures
-last ``TRANSIENT_LIMIT_S`` without one success does it give up and report the session
-lost. The store's own liveness (its session is what the other ranks watch) does not
-depend on this thread.
+expired) ends the thread and reports it (``on_lost``: the fabric marks itself evicted).
+Any other ``ServiceUnavailable`` (a reply that came late on a loaded machine, one failed
+HTTP request to etcd) is not an eviction: the monitor waits a period and re-reads
+everything; only when such failures last ``TRANSIENT_LIMIT_S`` without one success does
+it give up and report the session lost. The store's own liveness (its session is what
+the other ranks watch) does not depend on this thread.
+
+The monitor knows its fabric only through the rank and token it watches for and three
+callbacks (``on_table``, ``on_reap``: unmap retired windows, ``on_lost``), so it imports
+nothing of ``fabric.py``.
 """
 
 from __future__ import annotations
@@ -27,15 +31,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from kvfabric.errors import ServiceUnavailable
 from kvfabric.pool.gva import membership
 from kvfabric.pool.gva.rendezvous.base import Compacted, KVStore
 from kvfabric.pool.gva.segments import SegmentTable, decode_record
-
-if TYPE_CHECKING:
-    from kvfabric.pool.gva.fabric import Fabric
 
 log = logging.getLogger("kvfabric.gva")
 
@@ -45,9 +46,24 @@ TRANSIENT_LIMIT_S = 30.0  # store errors that are not a lost session, for this l
 class Monitor(threading.Thread):
     """Membership watcher of one fabric (see module docstring)."""
 
-    def __init__(self, fabric: Fabric, store: KVStore, ns: str, period: float) -> None:
-        super().__init__(name=f"kvfabric-gva-monitor-{fabric.rank}", daemon=True)
-        self.fabric = fabric
+    def __init__(
+        self,
+        rank: int,
+        token: str,
+        store: KVStore,
+        ns: str,
+        period: float,
+        *,
+        on_table: Callable[[SegmentTable], None],
+        on_reap: Callable[[], None],
+        on_lost: Callable[[ServiceUnavailable], None],
+    ) -> None:
+        super().__init__(name=f"kvfabric-gva-monitor-{rank}", daemon=True)
+        self.rank = rank
+        self.token = token
+        self.on_table = on_table
+        self.on_reap = on_reap
+        self.on_lost = on_lost
         self.store = store
         self.ns = ns
         self.period = period
@@ -70,12 +86,12 @@ class Monitor(threading.Thread):
     def _reconcile(self, raw: bytes | None, alive: set[str]) -> None:
         rec = decode_record(raw)
         for m in rec.members:
-            if m.token not in alive and m.token != self.fabric.token:
+            if m.token not in alive and m.token != self.token:
                 log.warning(
                     "rank %d (pid %d on %s) is gone: removing it from the pool", m.rank, m.pid, m.node
                 )
                 rec = membership.remove(self.store, self.ns, m.token)
-        self.fabric._install(SegmentTable.derive(rec))
+        self.on_table(SegmentTable.derive(rec))
 
     def run(self) -> None:
         rev, raw, alive = -1, None, set()
@@ -104,7 +120,7 @@ class Monitor(threading.Thread):
                 if changed:
                     self._reconcile(raw, alive)
                 failing_since = None
-                self.fabric._reap()
+                self.on_reap()
             except Compacted:
                 need_sync = True
             except ServiceUnavailable as e:
@@ -112,16 +128,14 @@ class Monitor(threading.Thread):
                     return
                 now = time.monotonic()
                 if self.store.session_lost or now - (failing_since or now) >= TRANSIENT_LIMIT_S:
-                    self.fabric._session_lost(e)
+                    self.on_lost(e)
                     return
                 if failing_since is None:
                     failing_since = now
-                    log.warning(
-                        "gva monitor of rank %d: store call failed (%s); retrying", self.fabric.rank, e
-                    )
+                    log.warning("gva monitor of rank %d: store call failed (%s); retrying", self.rank, e)
                 self.stop.wait(self.period)
                 need_sync = True
             except Exception:
-                log.exception("gva monitor of rank %d: unexpected error", self.fabric.rank)
+                log.exception("gva monitor of rank %d: unexpected error", self.rank)
                 self.stop.wait(self.period)
                 need_sync = True
