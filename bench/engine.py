@@ -153,13 +153,22 @@ def make_engine(
     max_model_len: int = 8192,
     tokenizer: bool = False,
     in_process: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> Engine:
     """Start an engine for ``model`` with ``transfer`` (a kv_transfer_config dict, or None).
 
     ``in_process=False`` keeps vLLM's default: the engine core (scheduler and worker, so
     the connector) runs in a process of its own, as under ``vllm serve``; the connector
     objects are then out of reach (``worker()`` is None, ``flush`` does nothing, and the
-    engine's shutdown finishes the dumps in flight)."""
+    engine's shutdown finishes the dumps in flight).
+
+    ``tensor_parallel_size > 1`` runs each TP rank in a worker process of vLLM's ``mp``
+    executor (OpenMP threads not bound to cores: the ranks share this machine's CPUs).
+    The scheduler, and its connector, stays in this process when ``in_process``; the
+    worker connectors are in the rank processes, so ``worker()`` is None and ``flush``
+    does nothing (closing the engine finishes their dumps)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays ours
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -179,6 +188,10 @@ def make_engine(
     kwargs: dict[str, Any] = {}
     if transfer is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
+    if tensor_parallel_size > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        kwargs["tensor_parallel_size"] = tensor_parallel_size
+        kwargs["distributed_executor_backend"] = "mp"
     llm = LLM(
         model=str(model),
         skip_tokenizer_init=not tokenizer,
