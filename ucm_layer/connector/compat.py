@@ -12,6 +12,9 @@ vLLM. Differences absorbed:
 * ``KVConnectorStats`` (absent before the stats API: stats are then not exported) and
   ``KVConnectorPromMetrics`` (absent before per-connector Prometheus metrics);
 * block hashes as ``bytes`` (new) or as a named tuple with ``hash_value`` (older);
+* ``SupportsHMA`` (keeps vLLM's hybrid KV cache manager on for models with several KV
+  cache groups) and ``KVConnectorTransferResults`` (request-level load failures): a
+  stand-in base and None on releases without them;
 * where the TP rank and the KV cache's block strides come from;
 * the physical KV layout: releases that resolve one (``kv_cache_config.kv_cache_layout``,
   vLLM's ``KVCacheLayout``) let both roles derive the geometry of the KV tensors the
@@ -47,6 +50,19 @@ try:  # per-connector Prometheus metrics (build_prom_metrics; newer than the sta
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorPromMetrics = None  # type: ignore[assignment,misc]
 
+try:  # connectors that serve vLLM's hybrid KV cache manager (several KV cache groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - older vLLM: the hybrid manager is off with a connector
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stand-in for vLLM releases without ``SupportsHMA``."""
+
+
+try:  # request-level results of asynchronous transfers (failed_recving)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
 VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
 
 __all__ = [
@@ -58,12 +74,16 @@ __all__ = [
     "KVConnectorPromMetrics",
     "KVConnectorRole",
     "KVConnectorStats",
+    "KVConnectorTransferResults",
     "NewReq",
     "ReqView",
+    "SupportsHMA",
     "block_ids_of",
     "cached_reqs",
     "engine_info",
     "expected_kv_geometry",
+    "group_block_ids_of",
+    "group_windows",
     "is_scheduler",
     "new_reqs",
     "request_view",
@@ -118,16 +138,26 @@ def request_view(request: Any) -> ReqView:
 
 
 def block_ids_of(blocks: Any) -> list[int]:
-    """Group 0's block ids of a ``KVCacheBlocks`` (the connector requires one KV group)."""
+    """Group 0's block ids of a ``KVCacheBlocks`` (every group's: ``group_block_ids_of``)."""
     ids = blocks.get_block_ids()
     return list(ids[0]) if ids else []
+
+
+def group_block_ids_of(blocks: Any) -> tuple[list[int], ...]:
+    """Every KV cache group's block ids of a ``KVCacheBlocks``."""
+    return tuple(list(g) for g in blocks.get_block_ids() or ())
+
+
+def _groups(ids: Any) -> tuple[list[int], ...]:
+    """Per-group block ids, when there are several groups (``()`` otherwise)."""
+    return tuple(list(g) for g in ids) if ids and len(ids) > 1 else ()
 
 
 def new_reqs(scheduler_output: Any) -> list[NewReq]:
     out = []
     for r in scheduler_output.scheduled_new_reqs:
         ids = r.block_ids
-        out.append(NewReq(r.req_id, list(ids[0]) if ids else [], int(r.num_computed_tokens)))
+        out.append(NewReq(r.req_id, list(ids[0]) if ids else [], int(r.num_computed_tokens), _groups(ids)))
     return out
 
 
@@ -142,7 +172,11 @@ def cached_reqs(scheduler_output: Any) -> list[CachedReq]:
         else:
             resumed = bool(resumed_list[i]) if resumed_list is not None else False
         nb = c.new_block_ids[i]
-        out.append(CachedReq(req_id, list(nb[0]) if nb else None, resumed, int(c.num_computed_tokens[i])))
+        out.append(
+            CachedReq(
+                req_id, list(nb[0]) if nb else None, resumed, int(c.num_computed_tokens[i]), _groups(nb)
+            )
+        )
     return out
 
 
@@ -170,6 +204,7 @@ def engine_info(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
             if bs:
                 strides[name] = int(bs)
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or [None]
+    windows, problem = group_windows(kv_cache_config, block_size)
     return EngineInfo(
         model=str(getattr(model_cfg, "model", "?")),
         dtype=str(getattr(model_cfg, "dtype", "?")),
@@ -184,7 +219,29 @@ def engine_info(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
         block_strides=strides,
         single_group=len(groups) <= 1,
         device_type=_device_type(vllm_config),
+        group_windows=windows,
+        group_problem=problem,
     )
+
+
+def group_windows(kv_cache_config: Any, block_size: int) -> tuple[tuple[int | None, ...], str]:
+    """Per KV cache group, its sliding window in tokens (None: full attention), and ``""``;
+    or ``((), why)`` when a group is of a kind kvfabric does not serve (chunked local
+    attention, Mamba state, cross attention, ...) or its block size is not ``block_size``
+    (block ids are per engine block of ``block_size`` tokens)."""
+    out: list[int | None] = []
+    for i, g in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        spec = g.kv_cache_spec
+        kind = type(spec).__name__
+        if int(getattr(spec, "block_size", block_size)) != block_size:
+            return (), f"group {i} ({kind}) has block size {spec.block_size}, not {block_size}"
+        if kind == "SlidingWindowSpec":
+            out.append(int(spec.sliding_window))
+        elif kind in ("FullAttentionSpec", "MLAAttentionSpec"):
+            out.append(None)
+        else:
+            return (), f"group {i} is {kind}"
+    return tuple(out), ""
 
 
 def kv_cache_layout_name(vllm_config: Any, kv_cache_config: Any) -> str | None:

@@ -17,6 +17,13 @@ the physical KV layout, so two configurations never share a block. Both roles de
 the layout from vLLM's configuration (``compat.expected_kv_geometry``); the worker
 checks, when vLLM hands it the KV tensors, that they are laid out that way and refuses
 to start if not. Pipeline parallelism is refused at start-up (``check_engine``).
+
+Hybrid models (several KV cache groups: sliding-window and full attention layers) keep
+vLLM's hybrid KV cache manager: the connector is ``SupportsHMA``
+(``request_finished_all_groups``), each group's blocks are stored under their own ids
+(``hashing.tag(ids, rank, group)``), loads are asynchronous and fail per request
+(``failed_recving`` of ``get_transfer_results``), never per block. Layer-wise transfers,
+groups of other kinds (Mamba, chunked local attention) or other block sizes are refused.
 """
 
 from __future__ import annotations
@@ -88,11 +95,22 @@ def check_engine(info: compat.EngineInfo) -> None:
             "tensor-parallel rank only. Run with pipeline_parallel_size=1 (tensor parallelism "
             "is supported) or without kvfabric"
         )
-    if not info.single_group:
+    if not info.single_group and len(info.group_windows) < 2:
         raise ValueError(
-            "kvfabric supports models with one KV cache group (full attention); "
-            "this model has several (sliding window / hybrid): run it with "
+            "kvfabric supports models with one KV cache group, or several of full and "
+            "sliding-window attention with the engine's block size; this model has several "
+            f"({info.group_problem or 'of kinds it cannot tell'}): run it with "
             "--disable-hybrid-kv-cache-manager or without kvfabric"
+        )
+
+
+def check_groups(info: compat.EngineInfo, cfg: ConnectorConfig) -> None:
+    """Refuse, with the fix, what kvfabric cannot do with several KV cache groups."""
+    if len(info.group_windows) > 1 and cfg.layerwise:
+        raise ValueError(
+            "kvfabric: layer-wise transfers (layerwise=true) are not supported with several KV "
+            "cache groups (sliding-window / hybrid models): set layerwise=false, or run with "
+            "--disable-hybrid-kv-cache-manager"
         )
 
 
@@ -135,7 +153,11 @@ def _index_layout(kv_cache_config: Any, layerwise: bool) -> StoreLayout:
     return StoreLayout((_block_bytes_guess(kv_cache_config),), num_shards=max(layers, 1) if layerwise else 1)
 
 
-class KVFabricConnector(compat.KVConnectorBase_V1):
+def _group_layers(kv_cache_config: Any) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+
+
+class KVFabricConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
     """The kvfabric KV connector (see module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
@@ -154,6 +176,8 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         self.is_scheduler = compat.is_scheduler(role)
         self.cfg.log_once("scheduler" if self.is_scheduler else "worker")
         check_engine(self.info)
+        self.multi_group = len(self.info.group_windows) > 1
+        check_groups(self.info, self.cfg)
         stores.check_shared(self.cfg, self.one_process)
         if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
@@ -200,6 +224,8 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
                 async_load=bool(self.cfg.async_load),
                 pd_wait_s=self.cfg.pd_wait_s,
                 fingerprint=self._hasher.fingerprint.digest().hex()[:16],
+                windows=self.info.group_windows if self.multi_group else (),
+                lookup_present=self._lookup_present,
             )
         else:
             self.worker = WorkerSide(
@@ -214,6 +240,7 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
                 compute_done=self._compute_done,
                 expected_layout=self.expected_layout,
                 layout_note=self._layout_note,
+                groups=_group_layers(kv_cache_config) if self.multi_group else (),
             )
         _instances.add(self)
 
@@ -243,6 +270,22 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
                 break
             hit = min(hit, int(self._index.lookup_prefix(hashing.tag(ids[:hit], r, 0))))
         return hit
+
+    def _lookup_present(self, ids: Any, group: int) -> Any:
+        """Several groups: which of the blocks ``ids`` (base ids) the store holds for
+        ``group``, on every rank (MLA: rank 0's)."""
+        import numpy as np
+
+        if self._index is None:
+            layout = _index_layout(self._kv_cache_config, self.cfg.layerwise)
+            self._index = stores.SchedulerIndex(self.cfg, self.platform, layout)
+        ranks = 1 if self.info.use_mla else self.info.tp_size
+        present = np.asarray(self._index.lookup(hashing.tag(ids, 0, group)), bool)
+        for r in range(1, ranks):
+            if not present.any():
+                break
+            present &= np.asarray(self._index.lookup(hashing.tag(ids, r, group)), bool)
+        return present
 
     def _plan(self) -> StepPlan | None:
         meta = self._connector_metadata
@@ -285,7 +328,20 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
             return None, None
         return self.worker.finished() or None, self.worker.finished_loads() or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished``'s sets, and (several KV cache groups) the requests whose
+        asynchronous load failed, which vLLM recomputes (also in ``finished_recving``)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.failed_loads() if self.worker is not None else set()
+        return compat.KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """Engine blocks whose load failed; always empty with several KV cache groups
+        (those fail per request, see ``get_transfer_results``)."""
         return self.worker.failed_blocks() if self.worker is not None else set()
 
     def get_kv_connector_stats(self) -> Any:
@@ -315,9 +371,9 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
     def shutdown(self) -> None:
         _instances.discard(self)
         if self.worker is not None:
-            store = self.worker.store
+            opened = list(self.worker.stores)
             self.worker.close()
-            if store is not None:
+            for store in opened:
                 stores.release(store)
         if self._index is not None:
             self._index.close()
@@ -333,7 +389,10 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.scheduler is not None:
             self.scheduler.after_alloc(
-                compat.request_view(request), compat.block_ids_of(blocks), num_external_tokens
+                compat.request_view(request),
+                compat.block_ids_of(blocks),
+                num_external_tokens,
+                compat.group_block_ids_of(blocks) if self.multi_group else (),
             )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVFabricMetadata:
@@ -351,9 +410,19 @@ class KVFabricConnector(compat.KVConnectorBase_V1):
         workers) are set back in their requests, so vLLM's recompute dumps them again."""
         if self.scheduler is not None:
             self.scheduler.load_failed(getattr(connector_output, "invalid_block_ids", None) or ())
+            failed = getattr(connector_output, "failed_recving", None)
+            if failed:
+                self.scheduler.load_failed_requests(failed)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is None:
             return False, None
         params = getattr(request, "kv_transfer_params", None)
         return self.scheduler.finish(request.request_id, params if isinstance(params, dict) else None)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` for every KV cache group at once (``SupportsHMA``): whether
+        vLLM keeps all the request's blocks until the workers release its dumps."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])

@@ -1,8 +1,9 @@
 """The step plan the scheduler role sends the worker role (inside vLLM's connector metadata).
 
 Plain, picklable values only: vLLM ships the metadata to worker processes. Block ids
-are *base* ids (rank 0, group 0); each worker stamps its own rank before it touches a
-store (MLA: every rank uses rank 0's ids).
+are *base* ids (rank 0, group 0); each worker stamps its own rank and the transfer's KV
+cache group before it touches a store (MLA: every rank uses rank 0's ids). Models with
+several KV cache groups (vLLM's hybrid manager) get one transfer per request and group.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ import numpy as np
 
 @dataclass
 class Transfer:
-    """Blocks of one request to load or dump: ids ``(n, 16)`` and engine block ids ``(n,)``."""
+    """Blocks of one request to load or dump: ids ``(n, 16)`` and engine block ids ``(n,)``
+    of one KV cache group. ``transient``: the group's blocks may be freed while the
+    request runs (a sliding window), so a dump must release them before the step ends."""
 
     req_id: str
     ids: np.ndarray
     blocks: np.ndarray
     requested_tokens: int = 0  # for spans: the request's tokens when it was planned
     block_size: int = 0  # tokens per block (for spans)
+    group: int = 0  # the KV cache group the engine blocks belong to
+    transient: bool = False
 
     def __post_init__(self) -> None:
         if self.ids.ndim != 2 or self.ids.shape[0] != self.blocks.size:

@@ -33,6 +33,18 @@ it, a ``MISSING`` one was never there, so the dump lands (stores are put-if-abse
 ``FAILED`` or ``TIMEOUT`` load says nothing against the stored copy, which is kept (the
 dump then leaves it as it is).
 
+Several KV cache groups (vLLM's hybrid KV cache manager; ``windows`` gives each group's
+sliding window in tokens, None for full attention): every group's blocks are stored under
+the same chained ids stamped with the group (``hashing.tag``), one transfer per request
+and group. A prefix of ``H`` blocks hits when every full-attention group holds blocks
+``[0, H)`` and every sliding-window group the blocks covering tokens
+``[max(0, H*bs - W + 1), H*bs)`` (the ones vLLM keeps; those before are its null block
+0), beyond vLLM's own prefix hit. Dumps skip null blocks and mark sliding-window ones
+``transient`` (vLLM frees them while the request runs). Loads are asynchronous and into
+the non-null blocks vLLM allocated; a failed one is reported per request
+(``load_failed_requests``, vLLM's ``failed_recving``): vLLM recomputes the request
+from scratch, and the request never claims the blocks of that load again.
+
 Not thread-safe: vLLM calls the scheduler role from one thread.
 """
 
@@ -54,6 +66,8 @@ from kvfabric.ucm_layer.connector.views import CachedReq, NewReq, ReqView
 log = logging.getLogger("kvfabric.connector")
 
 IdFn = Callable[[Sequence[bytes], np.ndarray | None], np.ndarray]
+PresentFn = Callable[[np.ndarray, int], np.ndarray]  # (base ids, group) -> present per block
+NULL_BLOCK = 0  # vLLM's null block: a sliding-window position outside the window
 
 
 @dataclass
@@ -70,6 +84,8 @@ class _Req:
     wait_since: float | None = None  # P/D: when the wait for them began
     last_ask: float = 0.0  # P/D: when the index was last asked while waiting
     cap: int = 1 << 62  # blocks from here on failed to load once: never claimed again
+    groups: list[list[int]] = field(default_factory=list)  # per group (several groups only)
+    load_start: int = 0  # the first block of the last planned load
 
 
 class SchedulerSide:
@@ -89,6 +105,8 @@ class SchedulerSide:
         pd_wait_s: float = 30.0,
         fingerprint: str = "",
         clock: Callable[[], float] = time.monotonic,
+        windows: Sequence[int | None] = (),
+        lookup_present: PresentFn | None = None,
     ) -> None:
         if block_size < 1 or hashes_per_block < 1:
             raise ValueError("block_size and hashes_per_block must be >= 1")
@@ -109,6 +127,13 @@ class SchedulerSide:
         self._finished: set[str] = set()
         self._repaired: set[str] = set()
         self._store_down = False
+        self.windows = tuple(windows)
+        self.multi = len(self.windows) > 1
+        if self.multi and lookup_present is None:
+            raise ValueError("several KV cache groups need lookup_present")
+        self._lookup_present = lookup_present
+        if self.multi:
+            self.async_load = True  # request-level load failures exist only for async loads
 
     # ------------------------------------------------------------------ ids
     def _state(self, view: ReqView) -> _Req:
@@ -216,7 +241,10 @@ class SchedulerSide:
         if ids.shape[0] > local:
             try:
                 with self.tracer.span("kvfabric.lookup", req_id=view.req_id) as span:
-                    hit = int(self._lookup_prefix(ids[local:]))
+                    if self.multi:
+                        hit = self._multi_hit(ids, local, st.cap - local)
+                    else:
+                        hit = int(self._lookup_prefix(ids[local:]))
                     span.set(
                         requested_tokens=view.num_tokens,
                         hit_tokens=(local + hit) * bs,
@@ -240,9 +268,49 @@ class SchedulerSide:
             self.stats.lookup(view.num_tokens, (local + hit) * bs, hit * bs)
         return hit * bs
 
-    def after_alloc(self, view: ReqView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def _multi_hit(self, ids: np.ndarray, local: int, limit: int) -> int:
+        """Several groups: the most blocks beyond ``local`` (at most ``limit``) that hit by
+        the rule of the module docstring."""
+        tail = ids[local:]
+        n = min(tail.shape[0], max(limit, 0))
+        if n <= 0:
+            return 0
+        tail = tail[:n]
+        windowed: dict[int, np.ndarray] = {}
+        for g, w in enumerate(self.windows):
+            present = np.asarray(self._lookup_present(tail, g), bool).reshape(-1)[:n]
+            if w is None:
+                missing = np.flatnonzero(~present)
+                n = min(n, int(missing[0]) if missing.size else present.size)
+            else:
+                windowed[g] = present
+        bs = self.block_size
+        for h in range(n, 0, -1):
+            end = local + h
+            if all(
+                p[max(local, max(0, end * bs - int(self.windows[g]) + 1) // bs) - local : h].all()
+                for g, p in windowed.items()
+            ):
+                return h
+        return 0
+
+    def after_alloc(
+        self,
+        view: ReqView,
+        block_ids: Sequence[int],
+        num_external_tokens: int,
+        groups: Sequence[Sequence[int]] = (),
+    ) -> None:
         st = self._state(view)
         st.block_ids = list(block_ids)
+        if self.multi:
+            st.groups = [list(g) for g in groups]
+            if len(st.groups) != len(self.windows):
+                raise ValueError(
+                    f"request {view.req_id}: block ids of {len(st.groups)} KV cache groups, "
+                    f"the engine has {len(self.windows)}"
+                )
+            st.block_ids = st.groups[0]
         if num_external_tokens <= 0:
             return
         bs = self.block_size
@@ -254,12 +322,37 @@ class SchedulerSide:
             )
         local = st.lookup_key[0]
         ids = self._ids(st, local + n)[local:]
+        if self.multi:
+            self._plan_group_loads(st, view, ids, local, n)
+            return
         blocks = np.asarray(st.block_ids[local : local + n], np.int64)
         if blocks.size != n:
             raise ValueError(f"request {view.req_id}: {blocks.size} blocks allocated for {n} loaded blocks")
         st.load = Transfer(view.req_id, ids, blocks, view.num_tokens, bs)
         st.stored = max(st.stored, local + n)
         (self._planned_async if self.async_load else self._planned_loads).append(st.load)
+
+    def _plan_group_loads(self, st: _Req, view: ReqView, ids: np.ndarray, local: int, n: int) -> None:
+        """Several groups: an async load per group into the non-null blocks vLLM allocated
+        for ``[local, local + n)`` (at least one transfer, so vLLM hears the request end)."""
+        loads: list[Transfer] = []
+        for g, row in enumerate(st.groups):
+            if len(row) < local + n:
+                raise ValueError(
+                    f"request {view.req_id}: group {g} has {len(row)} blocks for {local + n} loaded blocks"
+                )
+            blocks = np.asarray(row[local : local + n], np.int64)
+            keep = blocks != NULL_BLOCK
+            if keep.any():
+                t = Transfer(view.req_id, ids[keep], blocks[keep], view.num_tokens, self.block_size, g)
+                loads.append(t)
+        if not loads:
+            empty = np.zeros(0, np.int64)
+            loads.append(Transfer(view.req_id, ids[:0], empty, view.num_tokens, self.block_size))
+        st.load = loads[0]
+        st.load_start = local
+        st.stored = max(st.stored, local + n)
+        self._planned_async.extend(loads)
 
     # ------------------------------------------------------------------ per step
     def build_plan(
@@ -284,6 +377,9 @@ class SchedulerSide:
             if st is None:
                 continue
             st.block_ids = list(r.block_ids)
+            if self.multi:
+                st.groups = [list(g) for g in r.groups]
+                st.block_ids = st.groups[0] if st.groups else st.block_ids
             if loading:
                 self._note_reader(
                     plan, r.req_id, st.block_ids[: r.num_computed_tokens // self.block_size], loading
@@ -296,6 +392,17 @@ class SchedulerSide:
         for c in cached:
             st = self._reqs.get(c.req_id)
             if st is None:
+                continue
+            if self.multi:
+                if c.resumed:
+                    st.groups = [list(g) for g in c.new_groups] or [[] for _ in self.windows]
+                    st.stored = c.num_computed_tokens // self.block_size
+                else:
+                    for row, new_ids in zip(st.groups, c.new_groups, strict=False):
+                        row.extend(new_ids)
+                st.block_ids = st.groups[0] if st.groups else []
+                st.load = None
+                self._plan_dumps(st, c.num_computed_tokens + num_scheduled.get(c.req_id, 0), plan)
                 continue
             if c.resumed:  # a preempted request starts over with a new block table
                 st.block_ids = list(c.new_block_ids or [])
@@ -319,6 +426,9 @@ class SchedulerSide:
     def _plan_dumps(self, st: _Req, computed_after_step: int, plan: StepPlan) -> None:
         if not self.can_save:
             return
+        if self.multi:
+            self._plan_group_dumps(st, computed_after_step, plan)
+            return
         full = min(computed_after_step // self.block_size, len(st.block_ids))
         if full <= st.stored:
             return
@@ -338,6 +448,53 @@ class SchedulerSide:
         )
         st.stored = full
         st.dumped_any = True
+
+    def _plan_group_dumps(self, st: _Req, computed_after_step: int, plan: StepPlan) -> None:
+        """Several groups: a dump per group of the blocks that became full, but null ones."""
+        full = min([computed_after_step // self.block_size, *(len(row) for row in st.groups)])
+        if full <= st.stored:
+            return
+        ids = self._ids(st, full)
+        full = min(full, ids.shape[0])
+        if full <= st.stored:
+            return
+        rows = slice(st.stored, full)
+        for g, row in enumerate(st.groups):
+            blocks = np.asarray(row[rows], np.int64)
+            keep = blocks != NULL_BLOCK
+            if keep.any():
+                plan.dumps.append(
+                    Transfer(
+                        st.view.req_id,
+                        ids[rows][keep],
+                        blocks[keep],
+                        st.view.num_tokens,
+                        self.block_size,
+                        g,
+                        self.windows[g] is not None,
+                    )
+                )
+                st.dumped_any = True
+        st.stored = full
+
+    def load_failed_requests(self, req_ids: Collection[str]) -> int:
+        """Several groups: requests whose asynchronous load failed (vLLM's
+        ``failed_recving``; it recomputes them from scratch). Each forgets that the blocks
+        of that load are stored (so they are dumped again once recomputed) and never claims
+        them again (the store may still list them); it is named ``repaired`` in the next
+        plan. Returns the number of blocks set back (counted as ``repair_blocks``)."""
+        total = 0
+        for r in req_ids:
+            st = self._reqs.get(r)
+            if st is None:
+                continue
+            st.cap, st.lookup_key = min(st.cap, st.load_start), None
+            total += max(st.stored - st.load_start, 0)
+            st.stored = min(st.stored, st.load_start)
+            self._repaired.add(r)
+        if total:
+            self.stats.add(repair_blocks=total)
+        return total
 
     def load_failed(self, block_ids: Collection[int]) -> int:
         """Engine blocks whose load failed in a past step (vLLM's ``invalid_block_ids``):

@@ -219,16 +219,16 @@ class SchedulerIndex:
     worker of this process already opened for the same configuration (one-process
     engines: it covers the private ``cache`` tier too), else an index of the shared tier
     (never a store). A one-process engine whose store is unshared and not opened yet has
-    nothing stored: a miss. ``layout``: the shard count a block needs complete (and the
-    piece sizes, for a store registered without an index). ``close()`` closes only what
-    this object opened."""
+    nothing stored: a miss. ``lookup`` answers per block (several KV cache groups).
+    ``layout``: the shard count a block needs complete (and the piece sizes, for a store
+    registered without an index). ``close()`` closes only what this object opened."""
 
     def __init__(self, cfg: ConnectorConfig, platform: Platform, layout: StoreLayout) -> None:
         self.cfg, self.platform, self.layout = cfg, platform, layout
         self.index: Index | None = None
         self._own = False
 
-    def lookup_prefix(self, ids: np.ndarray) -> int:
+    def _open(self) -> Index | None:
         if self.index is None:
             from kvfabric.ucm_layer.store import registry
 
@@ -236,10 +236,21 @@ class SchedulerIndex:
             if found is not None:
                 self.index = found
             elif registry.unshared_reason(self.cfg.store, store_config(self.cfg)):
-                return 0
+                return None
             else:
                 self.index, self._own = open_index(self.cfg, self.platform, self.layout), True
-        return self.index.lookup_prefix(ids)
+        return self.index
+
+    def lookup_prefix(self, ids: np.ndarray) -> int:
+        index = self._open()
+        return 0 if index is None else index.lookup_prefix(ids)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` the store holds (all False while there is nothing to ask)."""
+        index = self._open()
+        if index is None:
+            return np.zeros(np.asarray(ids).reshape(-1, 16).shape[0], bool)
+        return np.asarray(index.lookup(ids), bool)
 
     def close(self) -> None:
         index, self.index = self.index, None

@@ -21,16 +21,18 @@ class ReqView:
 @dataclass(frozen=True)
 class NewReq:
     req_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # group 0's
     num_computed_tokens: int
+    groups: tuple[list[int], ...] = ()  # every KV cache group's block ids (hybrid models)
 
 
 @dataclass(frozen=True)
 class CachedReq:
     req_id: str
-    new_block_ids: list[int] | None
+    new_block_ids: list[int] | None  # group 0's
     resumed: bool
     num_computed_tokens: int
+    new_groups: tuple[list[int], ...] = ()  # every KV cache group's new block ids (hybrid models)
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,7 @@ class EngineInfo:
     single_group: bool
     device_type: str = "cpu"  # where vLLM keeps the KV cache: "cpu", "cuda", "npu", ...
     pp_size: int = 1  # pipeline-parallel stages (kvfabric refuses more than one)
+    #: per KV cache group: its sliding window in tokens, None for full attention; empty
+    #: when some group is of a kind kvfabric does not serve (``group_problem`` says why)
+    group_windows: tuple[int | None, ...] = ()
+    group_problem: str = ""

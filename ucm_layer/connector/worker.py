@@ -33,6 +33,16 @@ Call order per engine step (vLLM's model runner drives it):
    their source blocks, for vLLM to free. ``preempted(ids)`` waits for such dumps before
    vLLM reuses a preempted request's blocks.
 
+Several KV cache groups (``groups``: each group's layer names, vLLM's hybrid manager):
+each group gets its own :class:`KVLayout`, store and Delegator over its layers (views of
+one allocation: memory is made addressable once), and a transfer goes to its group's,
+with the group stamped into its ids. Such engines load asynchronously only: a request
+whose load failed in any group is reported by ``failed_loads()`` (with
+``finished_loads()``), and ``failed_blocks()`` stays empty (vLLM takes no block-level
+failures there). Dumps of ``transient`` transfers (sliding-window blocks, which vLLM
+frees while the request runs) are waited on until they released their source blocks
+before ``wait_for_save`` returns. Layer-wise mode is refused by the connector.
+
 Ranks: a worker stamps its TP rank into the ids (each rank stores its own heads). MLA:
 every rank holds the same latent KV, so all use rank 0's ids and only rank 0 dumps.
 Not thread-safe beyond what vLLM does (one thread per worker).
@@ -101,6 +111,7 @@ class WorkerSide:
         compute_done: Callable[[], Event | None] | None = None,
         expected_layout: str | None = None,
         layout_note: str = "",
+        groups: tuple[tuple[str, ...], ...] = (),
     ) -> None:
         self.cfg, self.platform = cfg, platform
         self.expected_layout, self._layout_note = expected_layout, layout_note
@@ -113,13 +124,17 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         self.store: Store | None = None
         self.delegator: Delegator | None = None
+        self.groups = tuple(groups) if len(groups) > 1 else ()
+        self.stores: list[Store] = []  # one per KV cache group (the same store when alike)
+        self.delegators: list[Delegator] = []  # one per KV cache group
+        self._failed_reqs: set[str] = set()  # several groups: requests whose async load failed
         self._wrapped: list[Any] = []
         self._layer_index: dict[str, int] = {}
         self._layer_loads: dict[int, tuple[LoadOp, np.ndarray, float]] = {}
         self._layer_dump_rows: tuple[np.ndarray, np.ndarray, list[Transfer]] | None = None
         self._dumps: dict[str, list[DumpOp]] = {}
         self._awaiting: set[str] = set()
-        self._async: dict[str, _AsyncLoad] = {}
+        self._async: dict[tuple[str, int], _AsyncLoad] = {}  # by (request, group)
         self._loaded: set[str] = set()  # async loads that ended at issue (reported next)
         self._failures = LoadFailures()
         self._load_trouble = False
@@ -139,7 +154,14 @@ class WorkerSide:
     ) -> KVLayout:
         if self.layout is not None:
             raise ValueError("register was already called for this worker")
-        layout = layout_from_tensors(kv_caches, num_blocks, block_strides)
+        if self.groups:
+            missing = [n for names in self.groups for n in names if n not in kv_caches]
+            if missing:
+                raise ValueError(f"kvfabric: no KV cache tensors for the layers {missing}")
+            ordered = {n: kv_caches[n] for names in self.groups for n in names}
+            layout = layout_from_tensors(ordered, num_blocks, block_strides)
+        else:
+            layout = layout_from_tensors(kv_caches, num_blocks, block_strides)
         self._check_layout(layout)
         seen: set[int] = set()
         on_host = True
@@ -156,17 +178,29 @@ class WorkerSide:
                 )
                 self._wrapped.append(self.platform.wrap(raw, medium))
         self.cfg = self.cfg.resolved(on_host)  # the connector resolved it already; direct users too
-        self.store = self._store_factory(
-            Delegator.store_layout(layout, bool(self.cfg.delegator), self.cfg.layerwise)
-        )
-        self.delegator = Delegator(
-            self.platform,
-            layout,
-            self.store,
-            enabled=bool(self.cfg.delegator),
-            layerwise=self.cfg.layerwise,
-            staging_blocks=self.cfg.staging_blocks,
-        )
+        if self.groups:
+            layouts = [
+                layout_from_tensors({n: kv_caches[n] for n in names}, num_blocks, block_strides)
+                for names in self.groups
+            ]
+        else:
+            layouts = [layout]
+        for part in layouts:
+            store = self._store_factory(
+                Delegator.store_layout(part, bool(self.cfg.delegator), self.cfg.layerwise)
+            )
+            self.stores.append(store)
+            self.delegators.append(
+                Delegator(
+                    self.platform,
+                    part,
+                    store,
+                    enabled=bool(self.cfg.delegator),
+                    layerwise=self.cfg.layerwise,
+                    staging_blocks=self.cfg.staging_blocks,
+                )
+            )
+        self.store, self.delegator = self.stores[0], self.delegators[0]
         self._layer_index = {name: i for i, name in enumerate(layout.layer_names)}
         self.layout = layout
         log.info(
@@ -201,8 +235,11 @@ class WorkerSide:
                 "backend, or report this vLLM version."
             )
 
-    def _tag(self, ids: np.ndarray) -> np.ndarray:
-        return hashing.tag(ids, 0 if self.mla else self.rank, 0)
+    def _tag(self, ids: np.ndarray, group: int = 0) -> np.ndarray:
+        return hashing.tag(ids, 0 if self.mla else self.rank, group)
+
+    def _group_delegator(self, group: int) -> Delegator | None:
+        return self.delegators[group] if group < len(self.delegators) else None
 
     @staticmethod
     def _join(items: list[Transfer]) -> tuple[np.ndarray, np.ndarray]:
@@ -240,42 +277,63 @@ class WorkerSide:
         self._spans("kvfabric.load", plan.loads, status, start_ns)
 
     def _start_async(self, t: Transfer) -> None:
-        if self.delegator is None or not self.can_load:
-            self._load_failed(t.blocks, "the worker has no store to load from")
+        delegator = self._group_delegator(t.group)
+        if self.groups and t.blocks.size == 0:  # nothing of this group to load
+            self._loaded.add(t.req_id)
+            return
+        if delegator is None or not self.can_load:
+            self._load_failed(t.blocks, "the worker has no store to load from", req_id=t.req_id)
             self._loaded.add(t.req_id)
             return
         try:
-            op = self.delegator.load(self._tag(t.ids), t.blocks)
+            op = delegator.load(self._tag(t.ids, t.group), t.blocks)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
-            self._load_failed(t.blocks, f"{type(e).__name__}: {e}")
+            self._load_failed(t.blocks, f"{type(e).__name__}: {e}", req_id=t.req_id)
             self._loaded.add(t.req_id)
             return
-        self._async[t.req_id] = _AsyncLoad(
+        self._async[(t.req_id, t.group)] = _AsyncLoad(
             op, t, time.monotonic() + self.cfg.load_timeout_s, time.perf_counter(), time.time_ns()
         )
 
     def finished_loads(self) -> set[str]:
-        """Requests whose asynchronous load ended (well or not) since the last call; their
-        failed blocks are in ``failed_blocks()`` from now on."""
+        """Requests whose asynchronous load ended (well or not, in every group) since the
+        last call; their failed blocks are in ``failed_blocks()`` from now on (several
+        groups: the requests are in ``failed_loads()``)."""
         done, self._loaded = self._loaded, set()
         now = time.monotonic()
-        for req_id, a in list(self._async.items()):
+        for key, a in list(self._async.items()):
             finished = a.op.done()
             if not finished and now < a.deadline:
                 continue
-            del self._async[req_id]
+            del self._async[key]
+            req_id = key[0]
             done.add(req_id)
             blocks = a.transfer.blocks
             try:  # done: scatter the good blocks; past the deadline: cancel what is left
                 status = a.op.wait(None if finished else 0.0)
             except Exception as e:  # noqa: BLE001 - a failed load is a recompute
-                self._load_failed(blocks, f"{type(e).__name__}: {e}")
+                self._load_failed(blocks, f"{type(e).__name__}: {e}", req_id=req_id)
                 continue
-            assert self.delegator is not None
+            delegator = self._group_delegator(a.transfer.group)
+            assert delegator is not None
             secs = time.perf_counter() - a.started
-            self._load_done(blocks, status, secs, self.delegator.layout.block_bytes)
+            self._load_done(blocks, status, secs, delegator.layout.block_bytes, req_id=req_id)
             self._spans("kvfabric.load", [a.transfer], status, a.start_ns)
+        if self.groups:  # a request ends once every group's load did
+            running = {r for r, _ in self._async}
+            self._loaded = done & running
+            done -= running
         return done
+
+    def failed_loads(self) -> set[str]:
+        """Several groups: requests whose asynchronous load failed in some group, reported
+        by ``finished_loads()`` (for vLLM's ``failed_recving``); each once."""
+        if not self._failed_reqs:
+            return set()
+        running = {r for r, _ in self._async} | self._loaded
+        out = self._failed_reqs - running
+        self._failed_reqs -= out
+        return out
 
     @property
     def loading(self) -> int:
@@ -321,11 +379,19 @@ class WorkerSide:
             )
 
     def _load_done(
-        self, blocks: np.ndarray, status: np.ndarray, secs: float, block_bytes: int, layer: int | None = None
+        self,
+        blocks: np.ndarray,
+        status: np.ndarray,
+        secs: float,
+        block_bytes: int,
+        layer: int | None = None,
+        req_id: str | None = None,
     ) -> None:
         ok = status == BlockStatus.OK
         if not ok.all():
-            self._load_failed(blocks[~ok], f"{int((~ok).sum())} of {blocks.size} blocks", status[~ok])
+            self._load_failed(
+                blocks[~ok], f"{int((~ok).sum())} of {blocks.size} blocks", status[~ok], req_id=req_id
+            )
         elif self._load_trouble:
             log.warning("kvfabric: loads from the store succeed again")
             self._load_trouble = False
@@ -334,10 +400,14 @@ class WorkerSide:
             self.stats.add(loaded_blocks=n)
         self.stats.add(loaded_bytes=n * block_bytes, load_s=secs)
 
-    def _load_failed(self, blocks: np.ndarray, why: str, status: np.ndarray | None = None) -> None:
+    def _load_failed(
+        self, blocks: np.ndarray, why: str, status: np.ndarray | None = None, req_id: str | None = None
+    ) -> None:
         """Remember ``blocks`` for vLLM to recompute and count them, by reason: their store
         ``status`` (None: the load raised, reason ``error``). A block that fails in several
-        layers of one step counts once."""
+        layers of one step counts once. Several groups: ``req_id``'s load failed."""
+        if self.groups and req_id is not None:
+            self._failed_reqs.add(req_id)
         reasons = self._failures.record(blocks, status)
         self.stats.add(load_failed_blocks=sum(reasons.values()), **reasons)
         if not self._load_trouble:
@@ -351,7 +421,10 @@ class WorkerSide:
             self._load_trouble = True
 
     def failed_blocks(self) -> set[int]:
-        return self._failures.take()
+        """Blocks whose load failed since the last call; empty with several groups (their
+        failures are per request, ``failed_loads``)."""
+        out = self._failures.take()
+        return set() if self.groups else out
 
     # ------------------------------------------------------------------ saves
     def save_layer(self, layer_name: str, plan: StepPlan | None) -> None:
@@ -374,27 +447,53 @@ class WorkerSide:
             return
         self._failures.begin(plan)
         items = self._failures.dumpable(plan.dumps)
-        if items and not self.cfg.layerwise and self.can_save and self.delegator is not None:
+        if items and self.groups and self.can_save and self.delegators:
+            self._start_group_dumps(items)
+        elif items and not self.cfg.layerwise and self.can_save and self.delegator is not None:
             ids, blocks = self._join(items)
             self._start_dumps(items, self._tag(ids), blocks, None)
         self._awaiting |= plan.finished
         if plan.preempted:
             self.preempted(plan.preempted)
 
+    def _start_group_dumps(self, items: list[Transfer]) -> None:
+        """Several groups: one dump per group; those of transient blocks (sliding windows)
+        have released their source blocks when this returns."""
+        transient: list[DumpOp] = []
+        for g, delegator in enumerate(self.delegators):
+            mine = [t for t in items if t.group == g]
+            if not mine:
+                continue
+            ids, blocks = self._join(mine)
+            op = self._start_dumps(mine, self._tag(ids, g), blocks, None, delegator)
+            if op is not None and any(t.transient for t in mine):
+                transient.append(op)
+        for op in transient:
+            while not op.released():
+                time.sleep(0.0002)
+
     def _start_dumps(
-        self, items: list[Transfer], ids: np.ndarray, blocks: np.ndarray, layer: int | None
-    ) -> None:
-        assert self.delegator is not None
+        self,
+        items: list[Transfer],
+        ids: np.ndarray,
+        blocks: np.ndarray,
+        layer: int | None,
+        delegator: Delegator | None = None,
+    ) -> DumpOp | None:
+        delegator = delegator or self.delegator
+        assert delegator is not None
         if layer in (None, 0):
             self._spans("kvfabric.dump", items, None, time.time_ns())
         try:
-            op = self.delegator.dump(ids, blocks, after=self._compute_done(), layer=layer)
+            op = delegator.dump(ids, blocks, after=self._compute_done(), layer=layer)
         except Exception as e:  # noqa: BLE001 - a failed dump is a future miss
             self._save_failed(int(blocks.size), f"{type(e).__name__}: {e}")
-            return
+            return None
         op.started = time.perf_counter()  # type: ignore[attr-defined]
+        op.block_bytes = delegator.layout.block_bytes  # type: ignore[attr-defined]
         for t in items:  # every request of the batch waits for the one op
             self._dumps.setdefault(t.req_id, []).append(op)
+        return op
 
     def _save_failed(self, n: int, why: str) -> None:
         self.stats.add(save_failed_blocks=n)
@@ -420,7 +519,7 @@ class WorkerSide:
                     )
                 elif self._save_trouble:
                     self._save_trouble = False
-                per_block = self.delegator.layout.block_bytes  # type: ignore[union-attr]
+                per_block = getattr(op, "block_bytes", self.delegator.layout.block_bytes)
                 if op.layer is not None:
                     per_block = self.delegator.layout.layer_bytes(op.layer)  # type: ignore[union-attr]
                 secs = time.perf_counter() - getattr(op, "started", time.perf_counter())
@@ -458,8 +557,10 @@ class WorkerSide:
         self._async.clear()
         if self.delegator is not None:
             self._reap(block=True)
-            self.delegator.close()
+            for delegator in self.delegators:
+                delegator.close()
             self.delegator = None
+            self.delegators = []
         for buf in self._wrapped:
             if not buf.freed and not self.platform.closed:
                 self.platform.free(buf)
