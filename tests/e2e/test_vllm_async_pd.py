@@ -6,11 +6,13 @@ gate) until the other three have produced tokens: the loading request waits in v
 (``WAITING_FOR_REMOTE_KVS``) while the others keep decoding, which the test observes
 step by step; released, the load completes and the request's tokens are the cold run's.
 
-P/D: a producer engine (``kv_producer``) and a consumer engine (``kv_consumer``), each
-with its engine core in a process of its own, share the node's pool daemon. The
-producer prefills (one token, as a P/D proxy asks) and hands back ``kv_transfer_params``;
-the consumer, given them, loads every full block the producer stored and its tokens are
-those of an engine without kvfabric.
+P/D: a producer engine (``kv_producer``, its engine core in a process of its own) and a
+consumer engine (``kv_consumer``, in this process, so its connector's counters can be
+read) share the node's pool daemon. The producer prefills (one token, as a P/D proxy
+asks) and hands back ``kv_transfer_params``; the consumer, given them, loads every full
+block the producer stored and its tokens are those of an engine without kvfabric. (vLLM
+reports a P/D request's ``num_cached_tokens`` as the producer's own cache hits, so the
+consumer's loads are read from its worker's counters.)
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def test_pd_through_the_pool_daemon_consumer_loads_every_full_block(tiny_model, 
     producer = make_engine(tiny_model, transfer("kv_producer"), kv_bytes=64 << 20, in_process=False)
     consumer = None
     try:
-        consumer = make_engine(tiny_model, transfer("kv_consumer"), kv_bytes=64 << 20, in_process=False)
+        consumer = make_engine(tiny_model, transfer("kv_consumer"), kv_bytes=64 << 20)
         pre = producer.llm.generate(
             [{"prompt_token_ids": prompt}], _params(1, {"do_remote_decode": True}), use_tqdm=False
         )[0]
@@ -123,7 +125,9 @@ def test_pd_through_the_pool_daemon_consumer_loads_every_full_block(tiny_model, 
         assert handoff["kvfabric"]["blocks"] == full // BLOCK_SIZE
         assert list(pre.outputs[0].token_ids) == ref_tokens[:1]
         out = consumer.llm.generate([{"prompt_token_ids": prompt}], _params(12, handoff), use_tqdm=False)[0]
-        assert out.num_cached_tokens == full  # every full block came from the producer
+        totals = consumer.worker().stats.totals
+        assert totals["loaded_blocks"] == full // BLOCK_SIZE  # every full block came from the producer
+        assert totals.get("load_failed_blocks", 0) == 0 and totals.get("saved_blocks", 0) == 0
         assert list(out.outputs[0].token_ids) == ref_tokens
     finally:
         sock = str(runtime / f"kvfabric-pool-{pool}.sock")
