@@ -219,3 +219,42 @@ def test_an_async_load_past_load_timeout_s_is_cancelled_and_its_blocks_fail(plat
         for blk in failed:
             assert not dst[name][blk].any()
     a.close(), b.close()
+
+
+def test_an_idle_step_waits_briefly_for_an_async_load_instead_of_spinning(plat, tmp_path):
+    """``StepPlan.idle`` (no request computes): ``finished_loads`` sleeps in short slices,
+    up to ``IDLE_WAIT_S``, for a load to end, so the engine's busy loop does not keep the
+    interpreter from the store's threads."""
+    import time
+
+    from store_faults import SlowReadIO
+
+    from kvfabric.ucm_layer.connector.worker import IDLE_WAIT_S
+
+    src, dst = _caches(5), {k: torch.zeros_like(v) for k, v in _caches(5).items()}
+    a, _ = _posix_worker(plat, tmp_path)
+    a.register(src, NB)
+    ids = _ids(2, 11)
+    a.wait_for_save(StepPlan(dumps=[Transfer("r1", ids, np.array([0, 1]))]))
+    a._reap(block=True)
+    slow = SlowReadIO()
+    b, _ = _posix_worker(plat, tmp_path, io=slow, async_load=True)
+    b.register(dst, NB)
+    b.start_load(StepPlan(async_loads=[Transfer("r2", ids, np.array([3, 4]))]))  # a busy step
+    assert slow.started.wait(10)
+    assert b.finished_loads() == set()
+    b.start_load(StepPlan(idle=True))
+    t0 = time.perf_counter()
+    assert b.finished_loads() == set()  # still held: waited the bound, then returned
+    idle = time.perf_counter() - t0
+    assert idle >= IDLE_WAIT_S * 0.9
+    threading.Timer(0.005, slow.release.set).start()
+    b.start_load(StepPlan(idle=True))
+    deadline = time.monotonic() + 10
+    done: set[str] = set()
+    while not done and time.monotonic() < deadline:
+        done = b.finished_loads()
+    assert done == {"r2"}
+    for name in src:
+        assert torch.equal(dst[name][3:5], src[name][0:2])
+    a.close(), b.close()

@@ -50,6 +50,10 @@ class StepPlan:
     start this step on engine blocks loaded in it, with those blocks: the loaders
     themselves and requests vLLM's prefix cache lets share the blocks. If one of the
     blocks fails, the KV computed this step by each of its readers is wrong.
+    ``idle``: no request computes this step; a worker with asynchronous loads in flight
+    may then wait a little for one to end instead of returning at once (the engine would
+    only call it again straight away, and that busy loop takes the interpreter from the
+    threads doing the load).
     """
 
     loads: list[Transfer] = field(default_factory=list)
@@ -59,6 +63,7 @@ class StepPlan:
     preempted: set[str] = field(default_factory=set)
     repaired: set[str] = field(default_factory=set)
     readers: dict[str, set[int]] = field(default_factory=dict)
+    idle: bool = False  # no request computes this step (only transfers are in flight)
 
     def is_empty(self) -> bool:
         return not (

@@ -368,6 +368,7 @@ class SchedulerSide:
             finished=self._finished,
             preempted=set(preempted or ()),
             repaired=self._repaired,
+            idle=not any(num_scheduled.values()),
         )
         self._planned_loads, self._planned_async = [], []
         self._finished, self._repaired = set(), set()

@@ -74,6 +74,8 @@ from kvfabric.ucm_layer.store.base import BlockStatus, Store, StoreLayout
 log = logging.getLogger("kvfabric.connector")
 
 StoreFactory = Callable[[StoreLayout], Store]
+#: longest an idle step waits for an async load to end (see ``StepPlan.idle``)
+IDLE_WAIT_S = 0.02
 
 
 def _raw_storage(t: Any) -> Any:
@@ -136,6 +138,7 @@ class WorkerSide:
         self._awaiting: set[str] = set()
         self._async: dict[tuple[str, int], _AsyncLoad] = {}  # by (request, group)
         self._loaded: set[str] = set()  # async loads that ended at issue (reported next)
+        self._idle = False  # the current plan has no request computing (StepPlan.idle)
         self._failures = LoadFailures()
         self._load_trouble = False
         self._save_trouble = False
@@ -251,6 +254,7 @@ class WorkerSide:
     def start_load(self, plan: StepPlan) -> None:
         self._layer_loads.clear()
         self._failures.begin(plan)
+        self._idle = plan.idle
         for t in plan.async_loads:
             self._start_async(t)
         if not plan.loads or self.delegator is None or not self.can_load:
@@ -300,6 +304,8 @@ class WorkerSide:
         last call; their failed blocks are in ``failed_blocks()`` from now on (several
         groups: the requests are in ``failed_loads()``)."""
         done, self._loaded = self._loaded, set()
+        if self._idle and self._async and not done:
+            self._await_any(IDLE_WAIT_S)
         now = time.monotonic()
         for key, a in list(self._async.items()):
             finished = a.op.done()
@@ -324,6 +330,16 @@ class WorkerSide:
             self._loaded = done & running
             done -= running
         return done
+
+    def _await_any(self, seconds: float) -> None:
+        """Sleep in short slices until an async load is done or past its deadline, for at
+        most ``seconds`` (an idle step: no forward waits on this worker meanwhile)."""
+        end = time.monotonic() + seconds
+        while True:
+            now = time.monotonic()
+            if now >= end or any(a.op.done() or now >= a.deadline for a in self._async.values()):
+                return
+            time.sleep(0.0002)
 
     def failed_loads(self) -> set[str]:
         """Several groups: requests whose asynchronous load failed in some group, reported
