@@ -18,7 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvfabric.bench.peer import PeerWindow
+from kvfabric.harness.peer import PeerWindow
 from kvfabric.platform import shm
 from kvfabric.platform.registry import create
 from kvfabric.platform.types import CopyBatch, Medium

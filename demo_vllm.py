@@ -21,8 +21,8 @@ PROMPT_TOKENS = 1024
 
 def run_connector_demo(con: Any) -> bool:
     """Print the connector's figures; True when the run was correct (or vLLM is absent)."""
-    from kvfabric.bench.engine import kvfabric_transfer_config, make_engine, vllm_problem
-    from kvfabric.bench.models import ModelUnavailable, smollm2, tiny_llama
+    from kvfabric.harness.engine import kvfabric_transfer_config, make_engine, vllm_problem
+    from kvfabric.harness.models import ModelUnavailable, smollm2, tiny_llama
     from kvfabric.ucm_layer.connector.config import default_store
 
     problem = vllm_problem()

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from kvfabric.bench.peer import PeerWindow
 from kvfabric.bench.report import BenchContext, machine_note
+from kvfabric.harness.peer import PeerWindow
 from kvfabric.platform.registry import create
 from kvfabric.platform.types import Direction, Medium
 

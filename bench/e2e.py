@@ -193,8 +193,8 @@ def _delegator_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
 
 
 def _ttft_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
-    from kvfabric.bench.engine import example_transfer_config, kvfabric_transfer_config, make_engine
-    from kvfabric.bench.models import smollm2
+    from kvfabric.harness.engine import example_transfer_config, kvfabric_transfer_config, make_engine
+    from kvfabric.harness.models import smollm2
     from kvfabric.ucm_layer.connector.config import default_store
 
     model = smollm2()
@@ -285,8 +285,8 @@ def _shape_row(
 def _shape_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
     import os
 
-    from kvfabric.bench.engine import kvfabric_transfer_config, make_engine
-    from kvfabric.bench.models import smollm2, tiny_llama
+    from kvfabric.harness.engine import kvfabric_transfer_config, make_engine
+    from kvfabric.harness.models import smollm2, tiny_llama
 
     rounds = min(rounds, 3) if ctx.quick else rounds
     tmp = tempfile.mkdtemp(prefix="kvf-bench-shapes-")
@@ -348,7 +348,7 @@ def _shape_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
 def _pd_rows(
     model: str, pool: Callable[..., dict[str, Any]], prompt: Callable[[int], list[int]], rounds: int
 ) -> Iterator[dict[str, Any]]:
-    from kvfabric.bench.engine import BLOCK_SIZE, make_engine
+    from kvfabric.harness.engine import BLOCK_SIZE, make_engine
 
     producer = make_engine(model, pool("bench-pd", "kv_producer"), kv_bytes=512 << 20, in_process=False)
     consumer = None
@@ -393,7 +393,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     note = machine_note()
     a = read_cpu_row()
     rows = list(_delegator_rows(ctx, rounds))
-    from kvfabric.bench.engine import vllm_problem
+    from kvfabric.harness.engine import vllm_problem
 
     problem = vllm_problem()
     if problem:

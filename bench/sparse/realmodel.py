@@ -24,8 +24,8 @@ import torch
 
 from kvfabric.bench.report import BenchContext
 from kvfabric.bench.sparse.metrics import MethodSpec, block_mass, evaluate
-from kvfabric.bench.sparse.passkey import Passkey, answer, digits, kl_div, passkey_prompt, prefill
 from kvfabric.bench.sparse.synthetic import query_similarity
+from kvfabric.harness.sparse.passkey import Passkey, answer, digits, kl_div, passkey_prompt, prefill
 
 #: (label, plugin name, scorer name, plugin options, block size) measured on SmolLM2
 REAL_METHODS = (
@@ -59,8 +59,8 @@ def retrieval_needles(
 
 
 def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> Iterator[dict[str, Any]]:
-    from kvfabric.bench.sparse import model as mdl
-    from kvfabric.bench.sparse.llama import Llama
+    from kvfabric.harness.sparse import model as mdl
+    from kvfabric.harness.sparse.llama import Llama
 
     try:
         cfg, weights = mdl.load()

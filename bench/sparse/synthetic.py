@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfabric.bench.sparse.rope import apply_rope, rope_tables
+from kvfabric.harness.sparse.rope import apply_rope, rope_tables
 
 
 class HeadType(enum.Enum):

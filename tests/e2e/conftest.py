@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvfabric.bench.engine import vllm_problem
-from kvfabric.bench.models import ModelUnavailable, smollm2, tiny_llama
+from kvfabric.harness.engine import vllm_problem
+from kvfabric.harness.models import ModelUnavailable, smollm2, tiny_llama
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -23,7 +23,7 @@ from daemon_exit import wait_gone
 from kvf_testing import segments
 from store_faults import SlowReadIO
 
-from kvfabric.bench.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
+from kvfabric.harness.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
 from kvfabric.pool.autostart import daemon_pid
 
 

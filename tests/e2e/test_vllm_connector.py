@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfabric.bench.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
+from kvfabric.harness.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
 from kvfabric.ucm_layer.connector import metrics
 from kvfabric.ucm_layer.store.base import BlockStatus
 
@@ -149,7 +149,7 @@ def test_smollm2_same_prompt_twice(smol_model, tmp_path):
 CHILD = textwrap.dedent(
     """
     import json, sys
-    from kvfabric.bench.engine import kvfabric_transfer_config, make_engine
+    from kvfabric.harness.engine import kvfabric_transfer_config, make_engine
     model, store, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     eng = make_engine(model, kvfabric_transfer_config("posix", store), kv_bytes=64 << 20, in_process=False)
     out = eng.generate([prompt], 12)

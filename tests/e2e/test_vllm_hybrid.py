@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfabric.bench.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
+from kvfabric.harness.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
 
 PROMPT_LEN = 300  # 9 full blocks can load; the 10th holds the last prompt token
 WINDOW = 64  # tiny_hybrid's sliding window (tokens)
@@ -29,7 +29,7 @@ WINDOW_BLOCKS = HIT_BLOCKS - (HIT_BLOCKS * BLOCK_SIZE - WINDOW + 1) // BLOCK_SIZ
 
 @pytest.fixture(scope="module")
 def tiny_hybrid() -> str:
-    from kvfabric.bench.models import tiny_hybrid
+    from kvfabric.harness.models import tiny_hybrid
 
     return str(tiny_hybrid())
 

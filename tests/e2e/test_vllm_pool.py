@@ -16,7 +16,7 @@ import textwrap
 import numpy as np
 from pool_testing import Daemon
 
-from kvfabric.bench.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
+from kvfabric.harness.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
 
 PROMPT_LEN = 300
 FULL_BLOCKS = (PROMPT_LEN - 1) // BLOCK_SIZE
@@ -48,7 +48,7 @@ def test_cache_pool_same_prompt_twice(tiny_model):
 CHILD = textwrap.dedent(
     """
     import json, sys
-    from kvfabric.bench.engine import kvfabric_transfer_config, make_engine
+    from kvfabric.harness.engine import kvfabric_transfer_config, make_engine
     model, socket, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     cfg = kvfabric_transfer_config("pool", pool_address=socket)
     eng = make_engine(model, cfg, kv_bytes=64 << 20, in_process=False)

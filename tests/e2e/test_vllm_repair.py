@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfabric.bench.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
+from kvfabric.harness.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
 from kvfabric.ucm_layer.connector import metrics
 from kvfabric.ucm_layer.store.base import BlockStatus
 

@@ -16,7 +16,7 @@ import pytest
 from daemon_exit import gone, wait_gone
 from kvf_testing import segments
 
-from kvfabric.bench.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
+from kvfabric.harness.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
 from kvfabric.pool.autostart import daemon_pid, probe
 
 PROMPT_LEN = 300

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvfabric.bench.engine import BLOCK_SIZE, Engine, kvfabric_transfer_config, make_engine
+from kvfabric.harness.engine import BLOCK_SIZE, Engine, kvfabric_transfer_config, make_engine
 from kvfabric.ucm_layer import hashing
 from kvfabric.ucm_layer.store.posix_files import BlockFiles
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvfabric.bench.sparse.llama import Llama
-from kvfabric.bench.sparse.model import LlamaConfig
+from kvfabric.harness.sparse.llama import Llama
+from kvfabric.harness.sparse.model import LlamaConfig
 
 
 def tiny_llama(

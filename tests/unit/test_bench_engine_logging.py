@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from kvfabric.bench.engine import _NoTokenizerWarmup
+from kvfabric.harness.engine import _NoTokenizerWarmup
 
 
 def _record(msg: str) -> logging.LogRecord:

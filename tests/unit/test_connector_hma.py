@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvfabric.bench.engine import kvfabric_transfer_config, vllm_problem
+from kvfabric.harness.engine import kvfabric_transfer_config, vllm_problem
 from kvfabric.ucm_layer import hashing
 from kvfabric.ucm_layer.connector.config import ConnectorConfig
 from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
@@ -50,7 +50,7 @@ class GroupLookups:
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    from kvfabric.bench.models import tiny_hybrid
+    from kvfabric.harness.models import tiny_hybrid
 
     return str(tiny_hybrid())
 

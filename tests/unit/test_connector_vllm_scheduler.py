@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from store_lookups import StoreLookups
 
-from kvfabric.bench.engine import kvfabric_transfer_config, vllm_problem
+from kvfabric.harness.engine import kvfabric_transfer_config, vllm_problem
 
 pytestmark = pytest.mark.skipif(bool(vllm_problem()), reason=vllm_problem() or "")
 
@@ -29,7 +29,7 @@ PROMPT = 5 * BS + 3  # 5 full blocks can load; the 6th holds the last prompt tok
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    from kvfabric.bench.models import tiny_llama
+    from kvfabric.harness.models import tiny_llama
 
     return str(tiny_llama())
 

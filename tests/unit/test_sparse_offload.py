@@ -10,8 +10,8 @@ from mem_store import MemStore
 from tiny_llama import tiny_llama
 from torch_threads import one_torch_thread  # noqa: F401
 
-from kvfabric.bench.sparse.engine import PagedEngine
 from kvfabric.errors import TransferFailed
+from kvfabric.harness.sparse.engine import PagedEngine
 from kvfabric.platform.api import create as create_platform
 from kvfabric.ucm_layer.sparse.base import ModelSpec, create
 from kvfabric.ucm_layer.sparse.gsa.offload import block_ids, request_key, store_layout

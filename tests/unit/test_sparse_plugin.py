@@ -8,7 +8,7 @@ import torch
 from tiny_llama import tiny_llama
 from torch_threads import one_torch_thread  # noqa: F401
 
-from kvfabric.bench.sparse.engine import PagedEngine
+from kvfabric.harness.sparse.engine import PagedEngine
 from kvfabric.ucm_layer.sparse import base
 from kvfabric.ucm_layer.sparse.base import AttnMode, ModelSpec, StepBatch, create
 from kvfabric.ucm_layer.sparse.gsa.plugin import GSA

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch_threads import one_torch_thread  # noqa: F401
 
-from kvfabric.bench.sparse import model as mdl
-from kvfabric.bench.sparse.llama import Llama
-from kvfabric.bench.sparse.passkey import answer, digits, kl_div, passkey_prompt, prefill
+from kvfabric.harness.sparse import model as mdl
+from kvfabric.harness.sparse.llama import Llama
+from kvfabric.harness.sparse.passkey import answer, digits, kl_div, passkey_prompt, prefill
 
 pytestmark = pytest.mark.slow
 

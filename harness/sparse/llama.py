@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvfabric.bench.sparse.model import LlamaConfig
-from kvfabric.bench.sparse.rope import apply_rope, rope_tables
+from kvfabric.harness.sparse.model import LlamaConfig
+from kvfabric.harness.sparse.rope import apply_rope, rope_tables
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from kvfabric.bench.sparse.engine import PagedEngine
-from kvfabric.bench.sparse.llama import Capture, Llama
-from kvfabric.bench.sparse.model import Tokenizer
+from kvfabric.harness.sparse.engine import PagedEngine
+from kvfabric.harness.sparse.llama import Capture, Llama
+from kvfabric.harness.sparse.model import Tokenizer
 from kvfabric.ucm_layer.sparse.base import ModelSpec, create
 
 _FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

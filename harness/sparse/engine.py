@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfabric.bench.sparse.llama import Llama
 from kvfabric.errors import OutOfSpace
+from kvfabric.harness.sparse.llama import Llama
 from kvfabric.ucm_layer.sparse.attention import dense_table, paged_attention
 from kvfabric.ucm_layer.sparse.base import AttentionMetadata, LayerKV, ModelSpec, StepBatch, UcmSparseBase
 
