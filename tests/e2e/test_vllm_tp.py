@@ -13,8 +13,10 @@ process) counts a block as hit only when every rank holds it. What is proven:
 * A rank whose store stalls (rank 1's file of one block is a FIFO, so its read blocks
   in ``open``) does not hang the engine: the load times out after ``load_timeout_s``
   on that rank and the request finishes in bounded time with the cold run's tokens.
-  Once the read is unblocked the store drops the FIFO (0 B), the next run hits up to
-  that block and writes it again, and the run after hits every block.
+  Once the read is unblocked the store drops the FIFO (0 B). Rank 1 does not read a
+  copy whose load timed out again for a while (the worker's stall hold), so the next
+  runs never wait on it: they compute from there, write the block again and give the
+  cold run's tokens.
 
 One engine serves every case (a TP=2 start costs ~40 s here); each case has a prompt
 of its own. Dumps run in the rank processes, so the tests wait for them by watching
@@ -210,15 +212,16 @@ def test_a_stalled_rank_times_out_and_the_engine_does_not_hang(tp: TPEngine, tmp
     # exists); the read, unblocked, finds 0 B and drops the FIFO (CORRUPT)
     _wait_gone(block)
 
-    third, cached = _run(tp.eng, prompt)  # rank 1 lacks the block: a hit up to it
+    # rank 1 does not read the copy that timed out again for a while (the worker's stall
+    # hold): later runs never wait for it, they compute from there, same tokens
+    t0 = time.monotonic()
+    third, _ = _run(tp.eng, prompt)
     assert third == cold
-    assert cached == slow * BLOCK_SIZE
+    assert time.monotonic() - t0 < LOAD_TIMEOUT_S
     _wait_files([block])  # recomputed and written again
     assert block.stat().st_size == files[0][slow].stat().st_size
-
-    fourth, cached = _run(tp.eng, prompt)
+    fourth, _ = _run(tp.eng, prompt)
     assert fourth == cold
-    assert cached == FULL_BLOCKS * BLOCK_SIZE
 
 
 def _wait_gone(path: Path, timeout: float = 10.0) -> None:

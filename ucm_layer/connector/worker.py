@@ -13,7 +13,9 @@ Call order per engine step (vLLM's model runner drives it):
    (called after every step, forward or not) reports each request whose load is done,
    after scattering its good blocks; a load still running ``load_timeout_s`` after it
    was issued is cancelled (the store's cancel guarantees nothing writes the blocks
-   afterwards) and its unfinished blocks fail as ``TIMEOUT``. Failed blocks are handed
+   afterwards) and its unfinished blocks fail as ``TIMEOUT``; the first of them is not
+   loaded again by this worker for ``STALL_HOLD_S`` (it and the blocks after it fail at
+   once), so a copy that stalls costs one timeout, not one per request. Failed blocks are handed
    to vLLM no later than the step that reports the request (vLLM's contract).
    Synchronous loads: whole-request mode loads every planned block and returns when
    the bytes are in place; layer-wise mode issues one load per
@@ -53,7 +55,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -76,6 +78,8 @@ log = logging.getLogger("kvfabric.connector")
 StoreFactory = Callable[[StoreLayout], Store]
 #: longest an idle step waits for an async load to end (see ``StepPlan.idle``)
 IDLE_WAIT_S = 0.02
+#: how long a block whose async load timed out is not loaded again by this worker
+STALL_HOLD_S = 300.0
 
 
 def _raw_storage(t: Any) -> Any:
@@ -139,6 +143,7 @@ class WorkerSide:
         self._async: dict[tuple[str, int], _AsyncLoad] = {}  # by (request, group)
         self._loaded: set[str] = set()  # async loads that ended at issue (reported next)
         self._idle = False  # the current plan has no request computing (StepPlan.idle)
+        self._stalled: dict[bytes, float] = {}  # tagged id -> until when its loads fail at once
         self._failures = LoadFailures()
         self._load_trouble = False
         self._save_trouble = False
@@ -289,6 +294,10 @@ class WorkerSide:
             self._load_failed(t.blocks, "the worker has no store to load from", req_id=t.req_id)
             self._loaded.add(t.req_id)
             return
+        t = self._unstalled(t)
+        if t.blocks.size == 0:
+            self._loaded.add(t.req_id)
+            return
         try:
             op = delegator.load(self._tag(t.ids, t.group), t.blocks)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
@@ -298,6 +307,36 @@ class WorkerSide:
         self._async[(t.req_id, t.group)] = _AsyncLoad(
             op, t, time.monotonic() + self.cfg.load_timeout_s, time.perf_counter(), time.time_ns()
         )
+
+    def _unstalled(self, t: Transfer) -> Transfer:
+        """``t`` up to its first block whose load timed out here within ``STALL_HOLD_S``: that
+        block and those after it fail at once (``TIMEOUT``, vLLM computes them), so a store
+        copy that stalls costs one timeout, not one per request that shares the prefix (the
+        store keeps the copy: a timeout says nothing against its bytes, and a dump of the
+        recomputed block does not replace it)."""
+        if not self._stalled:
+            return t
+        now = time.monotonic()
+        self._stalled = {k: until for k, until in self._stalled.items() if until > now}
+        tagged = self._tag(t.ids, t.group)
+        first = next((i for i, row in enumerate(tagged) if row.tobytes() in self._stalled), None)
+        if first is None:
+            return t
+        rest = t.blocks[first:]
+        self._load_failed(
+            rest,
+            f"{rest.size} blocks from one whose load timed out within {STALL_HOLD_S:g} s",
+            np.full(rest.size, BlockStatus.TIMEOUT, np.int8),
+            req_id=t.req_id,
+        )
+        return replace(t, ids=t.ids[:first], blocks=t.blocks[:first])
+
+    def _note_stalls(self, t: Transfer, status: np.ndarray) -> None:
+        timed_out = np.flatnonzero(status == BlockStatus.TIMEOUT)
+        if timed_out.size:
+            until = time.monotonic() + STALL_HOLD_S
+            for row in self._tag(t.ids[timed_out[:1]], t.group):  # the first: vLLM computes from it
+                self._stalled[row.tobytes()] = until
 
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended (well or not, in every group) since the
@@ -323,6 +362,8 @@ class WorkerSide:
             delegator = self._group_delegator(a.transfer.group)
             assert delegator is not None
             secs = time.perf_counter() - a.started
+            if not finished:
+                self._note_stalls(a.transfer, status)
             self._load_done(blocks, status, secs, delegator.layout.block_bytes, req_id=req_id)
             self._spans("kvfabric.load", [a.transfer], status, a.start_ns)
         if self.groups:  # a request ends once every group's load did
