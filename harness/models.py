@@ -27,6 +27,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from kvfabric.envs import KVFABRIC_CACHE_DIR
 
@@ -55,12 +56,23 @@ def _publish(tmp: Path, final: Path) -> Path:
     return final
 
 
+def _save_random(model_cls: Any, cfg: Any, seed: int, final: Path) -> Path:
+    """Random float32 weights of ``model_cls(cfg)`` drawn from ``seed``, saved and
+    published at ``final``."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=models_dir()))
+    model.save_pretrained(tmp, safe_serialization=True)
+    return _publish(tmp, final)
+
+
 def tiny_llama(seed: int = 0) -> Path:
     """A random-weight Llama model directory (created once per seed)."""
     final = models_dir() / f"tiny-llama-s{seed}"
     if (final / "config.json").exists():
         return final
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -74,11 +86,7 @@ def tiny_llama(seed: int = 0) -> Path:
         initializer_range=0.3,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=models_dir()))
-    model.save_pretrained(tmp, safe_serialization=True)
-    return _publish(tmp, final)
+    return _save_random(LlamaForCausalLM, cfg, seed, final)
 
 
 def _download_gguf(work: Path) -> Path:
@@ -233,7 +241,6 @@ def tiny_hybrid(seed: int = 0) -> Path:
     final = models_dir() / f"tiny-hybrid-s{seed}"
     if (final / "config.json").exists():
         return final
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
@@ -253,8 +260,4 @@ def tiny_hybrid(seed: int = 0) -> Path:
         final_logit_softcapping=None,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(cfg).to(torch.float32)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=models_dir()))
-    model.save_pretrained(tmp, safe_serialization=True)
-    return _publish(tmp, final)
+    return _save_random(Gemma3ForCausalLM, cfg, seed, final)

@@ -11,11 +11,10 @@ and a failed load is reported per request, never per block.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
+import vllm_scheduler
 
 from kvfabric.harness.engine import kvfabric_transfer_config, vllm_problem
 from kvfabric.ucm_layer import hashing
@@ -57,65 +56,29 @@ def model_dir() -> str:
 
 def _scheduler(model_dir: str, store_dir: str):
     """vLLM's scheduler with the connector and a sliding-window + full-attention config."""
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
-    from vllm.v1.structured_output import StructuredOutputManager
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    vc = VllmConfig(
-        model_config=ModelConfig(
-            model=model_dir, dtype="float32", seed=0, max_model_len=1024, skip_tokenizer_init=True
-        ),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=1024,
-            max_model_len=1024,
-            async_scheduling=False,
-            is_encoder_decoder=False,
-        ),
-        kv_transfer_config=KVTransferConfig(**kvfabric_transfer_config("posix", store_dir)),
-        device_config=DeviceConfig("cpu"),
-    )
-    vc.cache_config.num_gpu_blocks = NUM_BLOCKS
     sliding = SlidingWindowSpec(
         block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=WINDOW
     )
     full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    kcc = KVCacheConfig(
+    sched = vllm_scheduler.scheduler(
+        model_dir,
+        kvfabric_transfer_config("posix", store_dir),
+        [(layers[0::2], sliding), (layers[1::2], full)],
+        block_size=BS,
         num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layers[0::2], sliding), KVCacheGroupSpec(layers[1::2], full)],
     )
-    sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BS, log_stats=True)
+    vc = sched.vllm_config
     store = GroupLookups()
     sched.connector.scheduler._lookup_present = store  # the seam SchedulerSide takes
     return vc, sched, store
 
 
 def _request(rid: str, tokens: list[int], max_tokens: int = 2):
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, tokens, sp, None, block_hasher=get_request_block_hasher(BS, sha256))
+    return vllm_scheduler.request(rid, tokens, BS, max_tokens)
 
 
 def _step(sched, store, *, sending=None, recving=None, failed=None):

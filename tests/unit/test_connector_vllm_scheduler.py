@@ -12,10 +12,9 @@ into kvfabric's stats object.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+import vllm_scheduler
 from store_lookups import StoreLookups
 
 from kvfabric.harness.engine import kvfabric_transfer_config, vllm_problem
@@ -45,62 +44,29 @@ def _scheduler(
     """vLLM's scheduler with the connector; ``extra`` are kvfabric config keys (synchronous
     loads unless it says otherwise)."""
     import torch
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    vc = VllmConfig(
-        model_config=ModelConfig(
-            model=model_dir, dtype="float32", seed=0, max_model_len=1024, skip_tokenizer_init=True
-        ),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=1024,
-            max_model_len=1024,
-            async_scheduling=False,
-            is_encoder_decoder=False,
-        ),
-        kv_transfer_config=KVTransferConfig(
-            **{
-                **kvfabric_transfer_config("posix", store_dir, **{"async_load": False, **extra}),
-                "kv_role": role,
-            }
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
-    vc.cache_config.num_gpu_blocks = NUM_BLOCKS
+    transfer = {
+        **kvfabric_transfer_config("posix", store_dir, **{"async_load": False, **extra}),
+        "kv_role": role,
+    }
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float32)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    kcc = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    sched = vllm_scheduler.scheduler(
+        model_dir,
+        transfer,
+        [(layers, spec)],
+        block_size=BS,
+        num_blocks=NUM_BLOCKS,
+        prefix_caching=prefix_caching,
     )
-    sched = Scheduler(vc, kcc, StructuredOutputManager(vc), block_size=BS, log_stats=True)
     store = store if store is not None else StoreLookups()
     sched.connector.scheduler._lookup_prefix = store  # the seam SchedulerSide takes
     return sched, store
 
 
 def _request(rid: str, tokens: list[int], max_tokens: int = 2, params: dict | None = None):
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=None)
-    if params is not None:
-        sp.extra_args = {"kv_transfer_params": params}
-    return Request(rid, tokens, sp, None, block_hasher=get_request_block_hasher(BS, sha256))
+    return vllm_scheduler.request(rid, tokens, BS, max_tokens, params)
 
 
 def _step(

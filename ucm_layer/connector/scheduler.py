@@ -430,14 +430,11 @@ class SchedulerSide:
         if self.multi:
             self._plan_group_dumps(st, computed_after_step, plan)
             return
-        full = min(computed_after_step // self.block_size, len(st.block_ids))
-        if full <= st.stored:
+        found = self._newly_full(st, computed_after_step, len(st.block_ids))
+        if found is None:
             return
-        ids = self._ids(st, full)
-        full = min(full, ids.shape[0])
-        if full <= st.stored:
-            return
-        rows = slice(st.stored, full)
+        ids, rows = found
+        full = rows.stop
         plan.dumps.append(
             Transfer(
                 st.view.req_id,
@@ -450,16 +447,25 @@ class SchedulerSide:
         st.stored = full
         st.dumped_any = True
 
-    def _plan_group_dumps(self, st: _Req, computed_after_step: int, plan: StepPlan) -> None:
-        """Several groups: a dump per group of the blocks that became full, but null ones."""
-        full = min([computed_after_step // self.block_size, *(len(row) for row in st.groups)])
+    def _newly_full(
+        self, st: _Req, computed_after_step: int, allocated: int
+    ) -> tuple[np.ndarray, slice] | None:
+        """The ids of the request's blocks so far and the rows of those that become full in
+        this step and are not stored yet (None: none), within the ``allocated`` blocks."""
+        full = min(computed_after_step // self.block_size, allocated)
         if full <= st.stored:
-            return
+            return None
         ids = self._ids(st, full)
         full = min(full, ids.shape[0])
-        if full <= st.stored:
+        return None if full <= st.stored else (ids, slice(st.stored, full))
+
+    def _plan_group_dumps(self, st: _Req, computed_after_step: int, plan: StepPlan) -> None:
+        """Several groups: a dump per group of the blocks that became full, but null ones."""
+        found = self._newly_full(st, computed_after_step, min(len(row) for row in st.groups))
+        if found is None:
             return
-        rows = slice(st.stored, full)
+        ids, rows = found
+        full = rows.stop
         for g, row in enumerate(st.groups):
             blocks = np.asarray(row[rows], np.int64)
             keep = blocks != NULL_BLOCK
