@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvfabric.platform.types import Medium
+from kvfabric.pool.gva.address import MEDIUM_REGION, REGION_MEDIUM, REGION_SIZE, pack, region_of, unpack
 
 
 class Addressing(Protocol):
@@ -15,15 +16,11 @@ class Addressing(Protocol):
     def decode(self, gva: int) -> tuple[Medium, int, int]: ...
 
 
-_REGION_BITS = 60
-_REGION = {Medium.DRAM: 1, Medium.HBM: 2}
-_MEDIUM = {v: k for k, v in _REGION.items()}
-
-
 class FixedStride:
     """The pool's addressing: ``gva = base[medium] + rank * stride + offset`` with one
     stride fixed for the pool's life (so a GVA in the directory never changes meaning
-    when a bigger window joins). ``base[DRAM] = 1 << 60``, ``base[HBM] = 2 << 60``."""
+    when a bigger window joins). ``base[DRAM] = 1 << 60``, ``base[HBM] = 2 << 60``; the
+    bit layout is ``kvfabric.pool.gva.address``'s (``pack`` / ``unpack``)."""
 
     def __init__(self, stride: int = 1 << 40) -> None:
         if stride <= 0 or stride & (stride - 1):
@@ -31,15 +28,15 @@ class FixedStride:
         self.stride = stride
 
     def encode(self, medium: Medium, rank: int, offset: int) -> int:
-        if not 0 <= rank < (1 << _REGION_BITS) // self.stride:
+        if not 0 <= rank < REGION_SIZE // self.stride:
             raise ValueError(f"rank {rank} out of range for stride {self.stride}")
         if not 0 <= offset < self.stride:
             raise ValueError(f"offset {offset} is outside a {self.stride} B stride")
-        return (_REGION[medium] << _REGION_BITS) + rank * self.stride + offset
+        return pack(MEDIUM_REGION[medium], rank, offset, self.stride)
 
     def decode(self, gva: int) -> tuple[Medium, int, int]:
-        medium = _MEDIUM.get(gva >> _REGION_BITS)
+        medium = REGION_MEDIUM.get(region_of(gva))
         if medium is None:
             raise ValueError(f"{gva:#x} is not a global virtual address")
-        rel = gva & ((1 << _REGION_BITS) - 1)
-        return medium, rel // self.stride, rel % self.stride
+        _region, rank, offset = unpack(gva, self.stride)
+        return medium, rank, offset

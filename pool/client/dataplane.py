@@ -28,10 +28,10 @@ import numpy as np
 from kvfabric.errors import RankUnavailable, TransferFailed
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import CopyBatch, Medium
+from kvfabric.pool.gva.address import REGION_MEDIUM, region_of
 from kvfabric.pool.gva.fabric import Fabric, FabricState
 from kvfabric.pool.gva.handle import ItemStatus
 
-_REGION_MEDIUM = {1: Medium.DRAM, 2: Medium.HBM}
 ONE_COPY_BYTES = 4 << 20  # from here on a platform copy may split the piece across threads
 
 
@@ -50,7 +50,7 @@ class FabricDataPlane:
             ptr = self.fab.local_address(gva, n)
         except RankUnavailable:
             return None
-        return ptr, self._host[_REGION_MEDIUM[gva >> 60]]
+        return ptr, self._host[REGION_MEDIUM[region_of(gva)]]
 
     def write(self, gvas: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Copy caller pieces to GVAs; per-piece success (bool array)."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvfabric.errors import RankUnavailable
 from kvfabric.platform.types import CopyBatch, Span
-from kvfabric.pool.gva.address import REGION_BITS
+from kvfabric.pool.gva.address import region_of, unpack
 from kvfabric.pool.gva.handle import XferHandle, submit
 from kvfabric.pool.gva.single import copy_one
 from kvfabric.pool.gva.xcopy import as_batch, plan
@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     from kvfabric.pool.gva.config import GvaConfig
     from kvfabric.pool.gva.transports import Transport
     from kvfabric.pool.gva.view import View
-
-_MASK = (1 << REGION_BITS) - 1
 
 
 class FabricCopies:
@@ -51,10 +49,10 @@ class FabricCopies:
     def _mapped(self, gva: int, nbytes: int) -> tuple[int, int, Any]:
         """``(window address, offset, window buffer)`` of a range mapped here, from the
         view's flat per-region tables; anything else goes to ``_unresolvable``."""
-        region = gva >> REGION_BITS
+        region = region_of(gva)
         try:
             stride, slots = self._view.fast[region if region > 0 else 3]
-            rank, off = divmod(gva & _MASK, stride)
+            _region, rank, off = unpack(gva, stride)
             ptr, size, buf = slots[rank]  # type: ignore[misc]
         except (IndexError, TypeError):
             return self._unresolvable(gva, nbytes)

@@ -56,7 +56,7 @@ from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.registry import create
 from kvfabric.platform.types import Medium
 from kvfabric.pool.gva import membership
-from kvfabric.pool.gva.address import REGION_BITS, AddressSpace, Gva
+from kvfabric.pool.gva.address import AddressSpace, Gva
 from kvfabric.pool.gva.config import GvaConfig
 from kvfabric.pool.gva.copies import FabricCopies
 from kvfabric.pool.gva.monitor import Monitor
@@ -68,7 +68,6 @@ from kvfabric.pool.gva.view import MappedWindow, View
 from kvfabric.pool.gva.windows import map_table, prepare
 
 log = logging.getLogger("kvfabric.gva")
-_MASK = (1 << REGION_BITS) - 1
 
 
 class FabricState(enum.Enum):

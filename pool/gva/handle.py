@@ -15,8 +15,9 @@ import time
 import numpy as np
 
 from kvfabric.errors import KVFabricError, TransferFailed
+from kvfabric.pool.gva.address import LOCAL_KEY
 from kvfabric.pool.gva.transports.base import Completion
-from kvfabric.pool.gva.view import LOCAL_KEY, MappedWindow, View
+from kvfabric.pool.gva.view import MappedWindow, View
 from kvfabric.pool.gva.xcopy import Planned
 
 

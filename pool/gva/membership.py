@@ -26,10 +26,9 @@ from collections.abc import Callable, Sequence
 
 from kvfabric.errors import ServiceUnavailable
 from kvfabric.platform.types import Medium
-from kvfabric.pool.gva.address import AddressSpace
+from kvfabric.pool.gva.address import MAX_RANKS, AddressSpace
 from kvfabric.pool.gva.rendezvous.base import KVStore
 from kvfabric.pool.gva.segments import (
-    MAX_RANKS,
     MemberRecord,
     MembershipRecord,
     Reservation,

@@ -31,8 +31,6 @@ from kvfabric.pool.gva.address import (
     encode,
 )
 
-MAX_RANKS = 1 << 24  # ranks are numbered below this (keeps batch grouping keys in 64 bits)
-
 
 class WindowRecord(msgspec.Struct, frozen=True):
     """One window a member contributes: medium, size, IPC handle, owner's local address."""

@@ -15,10 +15,10 @@ import numpy as np
 from kvfabric.errors import KVFabricError
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import CopyBatch, Span
-from kvfabric.pool.gva.address import GVA_FLOOR, MEDIUM_REGION
+from kvfabric.pool.gva.address import GVA_FLOOR, LOCAL_KEY, MEDIUM_REGION, window_key
 from kvfabric.pool.gva.handle import XferHandle, submit
 from kvfabric.pool.gva.transports.base import Transport
-from kvfabric.pool.gva.view import LOCAL_KEY, RANK_BITS, View
+from kvfabric.pool.gva.view import View
 from kvfabric.pool.gva.xcopy import choose, plan
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def _scalar_end(
     seg, off = view.table.locate(g, n, version)
     if a > 1 and (off | n) & (a - 1):
         raise ValueError(f"{what} {g:#x} (offset {off}) or size {n} is not {a}-byte aligned")
-    key = (MEDIUM_REGION[seg.medium] << RANK_BITS) | seg.rank
+    key = window_key(MEDIUM_REGION[seg.medium], seg.rank)
     e = view.ends.get(key)
     if e is None or not e.ptr or e.buffer is None:
         return key, None, off

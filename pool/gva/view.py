@@ -21,16 +21,8 @@ import numpy as np
 from kvfabric.errors import RankUnavailable
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import Medium
-from kvfabric.pool.gva.address import MEDIUM_REGION
+from kvfabric.pool.gva.address import LOCAL_KEY, MEDIUM_REGION, key_rank, key_region
 from kvfabric.pool.gva.segments import Segment, SegmentTable
-
-RANK_BITS = 24
-LOCAL_KEY = 0  # group key of plain local memory (not a GVA)
-
-
-def end_key(region: int, rank: int) -> int:
-    """Group key of one window: region in the high bits, rank below."""
-    return (region << RANK_BITS) | rank
 
 
 class MappedWindow:
@@ -84,7 +76,7 @@ class View:
             stride = table.space.stride(medium) or 1
             slots: list[tuple[int, int, Buffer] | None] = []
             for key, e in ends.items():
-                if key >> RANK_BITS == region and e.ptr and e.buffer is not None:
+                if key_region(key) == region and e.ptr and e.buffer is not None:
                     r = e.segment.rank
                     slots.extend([None] * (r + 1 - len(slots)))
                     slots[r] = (e.ptr, e.segment.nbytes, e.buffer)
@@ -98,7 +90,7 @@ class View:
             sizes, since = table.columns(region)
             ptrs = np.zeros(sizes.size, np.uint64)
             for key, e in ends.items():
-                if key >> RANK_BITS == region and e.ptr:
+                if key_region(key) == region and e.ptr:
                     ptrs[e.segment.rank] = e.ptr
             cols.append((sizes, since, ptrs))
         self.cols = tuple(cols)
@@ -108,7 +100,7 @@ class View:
 
     def rank_of(self, key: int) -> int:
         """The rank a group key belongs to (plain local memory counts as this rank)."""
-        return self.rank if key == LOCAL_KEY else key & ((1 << RANK_BITS) - 1)
+        return self.rank if key == LOCAL_KEY else key_rank(key)
 
     def addressable(self, key: int) -> bool:
         """True when the key's memory can be read and written by plain copies here."""

@@ -18,9 +18,9 @@ from kvfabric.errors import KVFabricError
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import BufferKind, Medium
-from kvfabric.pool.gva.address import MEDIUM_REGION
+from kvfabric.pool.gva.address import MEDIUM_REGION, window_key
 from kvfabric.pool.gva.segments import SegmentTable, WindowRecord
-from kvfabric.pool.gva.view import Endpoint, MappedWindow, end_key
+from kvfabric.pool.gva.view import Endpoint, MappedWindow
 
 log = logging.getLogger("kvfabric.gva")
 
@@ -71,7 +71,7 @@ def map_table(
     ends: dict[int, Endpoint] = {}
     live: set[MapKey] = set()
     for seg in table.segments:
-        key = end_key(MEDIUM_REGION[seg.medium], seg.rank)
+        key = window_key(MEDIUM_REGION[seg.medium], seg.rank)
         if seg.member.token == token:
             buf = own[seg.medium]
             ends[key] = Endpoint(seg, buf.ptr, buf, None)

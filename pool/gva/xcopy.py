@@ -24,9 +24,20 @@ import numpy as np
 from kvfabric.errors import RankUnavailable, StaleSegmentTable, TransferFailed
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import CopyBatch, Span
-from kvfabric.pool.gva.address import GVA_FLOOR, REGION_BITS, REGION_MEDIUM, decode_many
+from kvfabric.pool.gva.address import (
+    GVA_FLOOR,
+    LOCAL_KEY,
+    REGION_MEDIUM,
+    decode_many,
+    pack,
+    pair_keys,
+    region_of,
+    unpack,
+    window_key,
+    window_keys,
+)
 from kvfabric.pool.gva.transports.base import GroupPlan, Transport
-from kvfabric.pool.gva.view import LOCAL_KEY, RANK_BITS, View
+from kvfabric.pool.gva.view import View
 
 if TYPE_CHECKING:
     from kvfabric.platform.base import Platform
@@ -48,9 +59,6 @@ def as_batch(items: CopyBatch | Iterable[tuple[Any, Any, int]]) -> CopyBatch:
     return CopyBatch.from_items(items)
 
 
-_LOW = (1 << REGION_BITS) - 1
-
-
 def _bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
@@ -67,22 +75,22 @@ def _uniform_side(
         if lo <= 0 or (a > 1 and ((raw | n) & np.uint64(a - 1)).any()):
             return None
         return LOCAL_KEY, raw
-    region = lo >> REGION_BITS
-    if lo < GVA_FLOOR or region != hi >> REGION_BITS or region not in REGION_MEDIUM:
+    region = region_of(lo)
+    if lo < GVA_FLOOR or region != region_of(hi) or region not in REGION_MEDIUM:
         return None
     stride = view.table.space.stride(REGION_MEDIUM[region])
     if not stride:
         return None
-    rank = (lo & _LOW) // stride
+    rank = unpack(lo, stride)[1]
     sizes = view.cols[region][0]
-    if rank != (hi & _LOW) // stride or rank >= sizes.size or not sizes[rank]:
+    if rank != unpack(hi, stride)[1] or rank >= sizes.size or not sizes[rank]:
         return None
-    off = raw - np.uint64((region << REGION_BITS) + rank * stride)
+    off = raw - np.uint64(pack(region, rank, 0, stride))
     if int((off + n).max()) > int(sizes[rank]) or (a > 1 and ((off | n) & np.uint64(a - 1)).any()):
         return None
     if version is not None:
         view.table.check_version(version, view.table.segment(REGION_MEDIUM[region], rank))
-    return (region << RANK_BITS) | rank, off
+    return window_key(region, rank), off
 
 
 def _check_side(
@@ -145,7 +153,7 @@ def _check_side(
                     f"item {int(idx[j])}: {what} is from segment table v{version}, but rank {int(r[j])} "
                     f"rejoined at v{int(since[r[j]])}; its old addresses name memory that is gone"
                 )
-        keys[sel] = (reg << RANK_BITS) | r
+        keys[sel] = window_keys(reg, r)
     return keys, off
 
 
@@ -204,7 +212,7 @@ def plan(
     else:
         dkeys, doff = _check_side(view, cfg, "dst", batch.dst, n, version)
         skeys, soff = _check_side(view, cfg, "src", batch.src, n, version)
-        pair = (skeys << (RANK_BITS + 2)) | dkeys
+        pair = pair_keys(skeys, dkeys)
         if (pair == pair[0]).all():
             parts = [(int(skeys[0]), int(dkeys[0]), np.arange(n.size))]
         else:

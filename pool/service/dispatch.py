@@ -25,6 +25,7 @@ from typing import Any
 
 from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
+from kvfabric.pool.gva.address import REGION_SIZE
 from kvfabric.pool.gva.segments import SegmentTable
 from kvfabric.pool.keys import (
     MAX_KEY_BYTES,
@@ -136,7 +137,7 @@ class Dispatcher:
 
     def _max_object(self) -> int:
         """No object is larger than the address range of one window."""
-        return int(getattr(self.service.addr, "stride", 1 << 60))
+        return int(getattr(self.service.addr, "stride", REGION_SIZE))
 
     def _check_rank(self, rank: Any, name: str) -> None:
         check_int(rank, name)

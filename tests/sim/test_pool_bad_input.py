@@ -22,12 +22,15 @@ import pytest
 from kvf_testing import segments
 from pool_testing import Daemon, content
 
+from kvfabric.platform.types import Medium
 from kvfabric.pool import EmbeddedPool, connect
 from kvfabric.pool import protocol as p
 from kvfabric.pool.client.rpc import SocketTransport
 from kvfabric.pool.config import PoolConfig
+from kvfabric.pool.gva.address import base as region_base
 from kvfabric.pool.keys import MAX_BATCH
 from kvfabric.pool.service.local import LocalTransport
+from kvfabric.pool.windows import FixedStride
 
 KiB = 1 << 10
 
@@ -59,7 +62,8 @@ def _alloc(keys: list, sizes: list, **extra: object) -> dict:
 
 def _bad_requests(stride: int, window: int) -> list[tuple[str, object, str]]:
     """``(what, request, a word the error must contain)``."""
-    gva0 = (1 << 60) + 0 * stride  # rank 0's DRAM window (the daemon's own)
+    addr = FixedStride(stride)
+    gva0 = addr.encode(Medium.DRAM, 0, 0)  # rank 0's DRAM window (the daemon's own)
     rereg = {"type": "reregister", "keys": [b"r"], "gvas": [gva0], "sizes": [KiB], "gens": [1]}
     return [
         ("empty key", _alloc([b""], [KiB]), "keys[0]"),
@@ -111,7 +115,7 @@ def _bad_requests(stride: int, window: int) -> list[tuple[str, object, str]]:
         ),
         ("release: negative lease id", {"type": "release", "lease_ids": [-1]}, "lease_ids[0]"),
         ("reregister: not a GVA", {**rereg, "gvas": [12345]}, "gvas[0]"),
-        ("reregister: rank without a window", {**rereg, "gvas": [gva0 + 7 * stride]}, "gvas[0]"),
+        ("reregister: rank without a window", {**rereg, "gvas": [addr.encode(Medium.DRAM, 7, 0)]}, "gvas[0]"),
         ("reregister: past the window's end", {**rereg, "gvas": [gva0 + window - 256]}, "gvas[0]"),
         ("reregister: lists of different lengths", {**rereg, "gens": [1, 2]}, "gens"),
         ("reregister: zero size", {**rereg, "sizes": [0]}, "sizes[0]"),
@@ -226,7 +230,7 @@ def test_the_dispatcher_checks_in_process_requests_too(embedded):
         (p.Commit("x", [b"a"], [True, False]), "1 keys but 2 ok"),
         (p.Commit("x", [b"a"], [True], ttl_s=-3.0), "ttl_s"),
         (p.Release([-2]), "lease_ids[0] = -2"),
-        (p.Reregister([b"r"], [1 << 60], [8 << 20], [1]), "run past"),
+        (p.Reregister([b"r"], [region_base(Medium.DRAM)], [8 << 20], [1]), "run past"),
         (p.ListKeys(b"", -1, 10), "start = -1"),
     ]
     for req, words in bad:
@@ -261,7 +265,7 @@ def test_client_arguments_are_value_errors_naming_them_before_any_copy(embedded)
             (lambda: c.put_from("a", base, 2.0), "nbytes = 2.0: must be an integer"),
             (lambda: c.put_from("a", 0, KiB), "ptr = 0: must be > 0"),
             (lambda: c.batch_alloc(["a", "b"], [KiB, -1]), r"sizes\[1\] = -1"),
-            (lambda: c.write([1 << 60], [base], [-1]), r"sizes\[0\] = -1"),
+            (lambda: c.write([region_base(Medium.DRAM)], [base], [-1]), r"sizes\[0\] = -1"),
             (lambda: c.get_into("a", base, -1), "nbytes = -1"),
             (lambda: c.batch_get_into(["a"], [base], [-KiB]), r"sizes\[0\]"),
             (lambda: c.batch_get_into_layers(["a"], [[base]], [[0]]), r"sizes\[0\] = 0"),

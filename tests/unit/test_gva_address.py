@@ -1,4 +1,5 @@
-"""Pure parts of pool/gva: address encoding, the segment table, membership updates, config."""
+"""Pure parts of pool/gva: address encoding and window keys, the segment table, membership
+updates, config."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from kvfabric.pool.gva import membership
 from kvfabric.pool.gva.address import (
     GVA_END,
     GVA_FLOOR,
+    KEY_BITS,
+    LOCAL_KEY,
+    MAX_RANKS,
+    MEDIUM_REGION,
     MIN_STRIDE,
+    REGION_MEDIUM,
     REGION_SIZE,
     AddressSpace,
     base,
@@ -21,6 +27,14 @@ from kvfabric.pool.gva.address import (
     decode_many,
     encode,
     is_gva,
+    key_rank,
+    key_region,
+    pack,
+    pair_keys,
+    region_of,
+    unpack,
+    window_key,
+    window_keys,
 )
 from kvfabric.pool.gva.config import GvaConfig, PairRule
 from kvfabric.pool.gva.rendezvous.base import Compacted
@@ -33,6 +47,7 @@ from kvfabric.pool.gva.segments import (
     decode_record,
     encode_record,
 )
+from kvfabric.pool.windows import FixedStride
 
 strides = st.integers(21, 44).map(lambda b: 1 << b)
 media = st.sampled_from([Medium.DRAM, Medium.HBM])
@@ -106,6 +121,117 @@ def test_regions_without_windows_and_bad_types():
         AddressSpace(3 << 20, 0)
     with pytest.raises(TypeError):
         AddressSpace(1.5, 0)  # type: ignore[arg-type]
+
+
+@given(spaces_and_addresses())
+def test_pack_and_unpack_are_the_raw_form_of_encode_and_decode(case):
+    space, medium, rank, offset = case
+    stride = space.stride(medium)
+    g = pack(MEDIUM_REGION[medium], rank, offset, stride)
+    assert g == encode(space, medium, rank, offset)
+    assert unpack(g, stride) == (MEDIUM_REGION[medium], rank, offset)
+    assert region_of(g) == MEDIUM_REGION[medium] and REGION_MEDIUM[region_of(g)] is medium
+    assert pack(MEDIUM_REGION[medium], 0, 0, stride) == base(medium)
+
+
+@given(st.integers(0, GVA_FLOOR - 1))
+def test_local_addresses_are_in_region_zero(addr):
+    assert region_of(addr) == 0 and not is_gva(addr)
+
+
+@given(
+    strides,
+    st.lists(
+        st.tuples(st.sampled_from([1, 2]), st.integers(0, 2**40), st.integers(0, 2**44)),
+        min_size=1,
+        max_size=50,
+    ),
+)
+def test_pack_and_decode_many_agree_on_arrays(stride, items):
+    space = AddressSpace(stride, stride)
+    cases = [(reg, rank % (REGION_SIZE // stride), off % stride) for reg, rank, off in items]
+    arr = np.array([pack(reg, rank, off, stride) for reg, rank, off in cases], np.uint64)
+    region, rank, off = decode_many(space, arr)
+    assert region.dtype == np.int64 and rank.dtype == np.int64 and off.dtype == np.uint64
+    assert [(int(a), int(b), int(c)) for a, b, c in zip(region, rank, off)] == cases
+    for g, want in zip(arr.tolist(), cases):
+        assert unpack(g, stride) == want
+
+
+def test_decode_many_marks_values_in_no_region():
+    space = AddressSpace(MIN_STRIDE, MIN_STRIDE)
+    arr = np.array([GVA_END, np.iinfo(np.uint64).max, 4096], np.uint64)
+    region, rank, off = decode_many(space, arr)
+    assert region.tolist() == [-1, -1, 0] and int(off[2]) == 4096 and int(rank[2]) == 0
+
+
+@given(st.sampled_from([1, 2]), st.integers(0, MAX_RANKS - 1))
+def test_window_keys_pack_region_and_rank(region, rank):
+    key = window_key(region, rank)
+    assert key != LOCAL_KEY and 0 < key < 1 << KEY_BITS
+    assert (key_region(key), key_rank(key)) == (region, rank)
+
+
+def test_window_keys_vectorised_and_pairs():
+    ranks = np.array([0, 1, 7, MAX_RANKS - 1], np.int64)
+    for region in (1, 2):
+        keys = window_keys(region, ranks)
+        assert keys.dtype == np.int64
+        assert keys.tolist() == [window_key(region, int(r)) for r in ranks]
+        assert (key_rank(keys) == ranks).all() and (key_region(keys) == region).all()
+    assert (key_region(LOCAL_KEY), key_rank(LOCAL_KEY)) == (0, 0)
+    every = np.array([LOCAL_KEY, *window_keys(1, ranks), *window_keys(2, ranks)], np.int64)
+    src, dst = np.repeat(every, every.size), np.tile(every, every.size)
+    pairs = pair_keys(src, dst)
+    assert pairs.dtype == np.int64 and (pairs >= 0).all()
+    assert np.unique(pairs).size == every.size**2  # distinct pairs, distinct ints
+    assert ((pairs >> KEY_BITS) == src).all() and ((pairs & ((1 << KEY_BITS) - 1)) == dst).all()
+
+
+@given(st.integers(12, 50).map(lambda b: 1 << b), media, st.data())
+def test_fixed_stride_addressing_is_the_same_encoding(stride, medium, data):
+    addr = FixedStride(stride)
+    rank = data.draw(st.integers(0, REGION_SIZE // stride - 1))
+    offset = data.draw(st.integers(0, stride - 1))
+    g = addr.encode(medium, rank, offset)
+    assert g == pack(MEDIUM_REGION[medium], rank, offset, stride)
+    assert addr.decode(g) == (medium, rank, offset)
+    with pytest.raises(ValueError, match="out of range"):
+        addr.encode(medium, REGION_SIZE // stride, 0)
+    with pytest.raises(ValueError, match="outside a"):
+        addr.encode(medium, rank, stride)
+    with pytest.raises(ValueError, match="not a global virtual address"):
+        addr.decode(offset % GVA_FLOOR)
+
+
+def test_only_address_py_knows_the_bit_layout():
+    """No other pool module names the layout's constants, shifts by its widths or keeps its
+    own table of region numbers."""
+    import ast
+    from pathlib import Path
+
+    import kvfabric.pool
+
+    root = Path(kvfabric.pool.__file__).resolve().parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "address.py" and path.parent.name == "gva":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.id if isinstance(node, ast.Name) else node.name if isinstance(node, ast.alias) else ""
+            shift = (
+                isinstance(node, ast.BinOp)
+                and isinstance(node.op, (ast.LShift, ast.RShift))
+                and isinstance(node.right, ast.Constant)
+                and node.right.value in (24, 60)
+            )
+            media = isinstance(node, ast.Dict) and any(  # {Medium.DRAM: 1} or {1: Medium.DRAM}
+                {type(k), type(v)} == {ast.Attribute, ast.Constant} and "Medium." in ast.unparse(node)
+                for k, v in zip(node.keys, node.values)
+            )
+            if name.split(".")[-1] in {"REGION_BITS", "RANK_BITS", "KEY_BITS", "_MASK"} or shift or media:
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, f"GVA bit layout re-implemented outside pool/gva/address.py: {found}"
 
 
 @given(st.integers(1, REGION_SIZE))

@@ -22,9 +22,9 @@ import numpy as np
 from kvfabric.errors import PlatformError
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.types import Medium, Span
-from kvfabric.pool.gva.address import REGION_MEDIUM
+from kvfabric.pool.gva.address import LOCAL_KEY, REGION_MEDIUM, key_rank, key_region
 from kvfabric.pool.gva.transports.base import Completion, GroupPlan, Transport, TransportContext
-from kvfabric.pool.gva.view import LOCAL_KEY, RANK_BITS, View
+from kvfabric.pool.gva.view import View
 from kvfabric.registry import Registry
 
 ENGINES: Registry[Any] = Registry(
@@ -129,7 +129,7 @@ class RemoteTransport(Transport):
 
     def _far(self, view: View, key: int) -> tuple[str, int] | None:
         """``(route, owner's window address)`` of a far key, or None if not reachable."""
-        if key == LOCAL_KEY or (key & ((1 << RANK_BITS) - 1)) == view.rank:
+        if key == LOCAL_KEY or key_rank(key) == view.rank:
             return None
         e = view.endpoint(key)
         if e is None:
@@ -158,7 +158,7 @@ class RemoteTransport(Transport):
             near = view.local_ptrs(near_key, group.dst, group.dst_off)
             remote = group.src_off + np.uint64(far_base)
         self._ensure_registered(near, group.nbytes)
-        medium = REGION_MEDIUM[far_key >> RANK_BITS].value
+        medium = REGION_MEDIUM[key_region(far_key)].value
         what = (
             f"remote {'write' if write else 'read'} of {len(group)} piece(s), {group.total_bytes} B "
             f"{'to' if write else 'from'} rank {view.rank_of(far_key)}'s {medium} window at {route}"
