@@ -217,11 +217,35 @@ def command(pool: AutoPool, sock: str) -> list[str]:
     return cmd
 
 
-def _spawn(pool: AutoPool, sock: str) -> subprocess.Popen[bytes]:
+UNBIND_ENV = "KVFABRIC_POOL_UNBIND"
+
+
+def unbind_cpus() -> set[int] | None:
+    """Widen this process's CPU affinity to the node's (the CPUs the container's first
+    process may use), as an auto-started daemon does at start; None when it cannot."""
+    try:
+        cpus = os.sched_getaffinity(1)
+        os.sched_setaffinity(0, cpus)
+    except (OSError, AttributeError):
+        return None
+    return cpus
+
+
+def _spawn_env_marks_unbind(platform: str | None = None) -> dict[str, str]:
+    """The environment of an auto-started daemon: this process's, its platform, INFO
+    logs, and the mark that makes it drop the CPU binding it inherits (it serves the whole
+    node; a vLLM CPU worker pins itself to its cores, and a daemon sharing them with the
+    forward misses its RPC deadlines)."""
     env = dict(os.environ)
-    if pool.platform:
-        env["KVFABRIC_PLATFORM"] = pool.platform
+    if platform:
+        env["KVFABRIC_PLATFORM"] = platform
     env.setdefault("KVFABRIC_LOG_LEVEL", "INFO")
+    env[UNBIND_ENV] = "1"
+    return env
+
+
+def _spawn(pool: AutoPool, sock: str) -> subprocess.Popen[bytes]:
+    env = _spawn_env_marks_unbind(pool.platform)
     with open(f"{sock}.log", "ab") as out:
         out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} starts the daemon\n".encode())
         out.flush()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 log = logging.getLogger("kvfabric.pool")
@@ -54,11 +55,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     start refused or failed for any other expected reason exits with 2 and that reason
     (already running, out of shared memory, ...)."""
     from kvfabric.errors import KVFabricError
+    from kvfabric.pool.autostart import UNBIND_ENV, unbind_cpus
     from kvfabric.pool.service.daemon import PoolDaemon, Signals, StartInterrupted
     from kvfabric.pool.service.node import StartStage
 
     signals = Signals()
     signals.install()
+    if os.environ.pop(UNBIND_ENV, None):  # started by autostart, maybe from a pinned process
+        unbind_cpus()
     pause_at = StartStage(args.pause_at) if args.pause_at else None
     try:
         daemon = PoolDaemon(_config(args), signals=signals, pause_at=pause_at)

@@ -115,20 +115,26 @@ def test_compute_done_event_is_none_for_host_tensors_and_uninitialised_torch():
         plat.close()
 
 
-def test_compute_done_event_on_cuda():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("cupy", reason="the cuda platform needs CuPy")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device for torch")
-    plat = devices.worker_platform("cuda", torch.cuda.current_device())
+def _event_after_a_kernel(torch, platform: str, device: int) -> None:
+    """A kernel on the framework's current stream, then the event: it completes."""
+    plat = devices.worker_platform(platform, device)
     try:
-        x = torch.ones(1 << 20, device=f"cuda:{plat.device}") * 3
+        kind = "npu" if platform == "ascend" else "cuda"
+        x = torch.ones(1 << 20, device=f"{kind}:{plat.device}") * 3
         ev = devices.compute_done_event(plat, x)
         assert ev is not None
         ev.synchronize()
         assert ev.query()
     finally:
         plat.close()
+
+
+def test_compute_done_event_on_cuda():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cupy", reason="the cuda platform needs CuPy")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    _event_after_a_kernel(torch, "cuda", torch.cuda.current_device())
 
 
 def test_compute_done_event_on_ascend():
@@ -139,12 +145,4 @@ def test_compute_done_event_on_ascend():
     import torch
     import torch_npu  # noqa: F401
 
-    plat = devices.worker_platform("ascend", torch.npu.current_device())
-    try:
-        x = torch.ones(1 << 20, device=f"npu:{plat.device}") * 3
-        ev = devices.compute_done_event(plat, x)
-        assert ev is not None
-        ev.synchronize()
-        assert ev.query()
-    finally:
-        plat.close()
+    _event_after_a_kernel(torch, "ascend", torch.npu.current_device())

@@ -163,6 +163,18 @@ def _posix_worker(plat, tmp_path, io=None, **cfg):
     return w, made
 
 
+def _finished_loads(w: WorkerSide, timeout: float = 2.0) -> set[str]:
+    """Poll ``finished_loads`` until it reports something (or ``timeout`` passes)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    done: set[str] = set()
+    while not done and time.monotonic() < deadline:
+        done = w.finished_loads()
+        time.sleep(0.005)
+    return done
+
+
 def test_async_loads_finish_in_finished_loads_with_their_bytes(plat, tmp_path):
     src, dst = _caches(3), {k: torch.zeros_like(v) for k, v in _caches(3).items()}
     a, _ = _posix_worker(plat, tmp_path)
@@ -173,15 +185,7 @@ def test_async_loads_finish_in_finished_loads_with_their_bytes(plat, tmp_path):
     b, _ = _posix_worker(plat, tmp_path, async_load=True)
     b.register(dst, NB)
     b.start_load(StepPlan(async_loads=[Transfer("r2", ids, np.array([5, 6, 7]))]))
-    done: set[str] = set()
-    for _ in range(400):
-        done |= b.finished_loads()
-        if done:
-            break
-        import time
-
-        time.sleep(0.005)
-    assert done == {"r2"} and b.loading == 0 and b.failed_blocks() == set()
+    assert _finished_loads(b) == {"r2"} and b.loading == 0 and b.failed_blocks() == set()
     for name in src:
         assert torch.equal(dst[name][5:8], src[name][0:3])
     assert b.finished_loads() == set()  # reported once
@@ -223,13 +227,7 @@ def test_an_async_load_past_load_timeout_s_is_cancelled_and_its_blocks_fail(plat
     # it fail at once, the blocks before it load
     first = min(failed) - 8
     b.start_load(StepPlan(async_loads=[Transfer("r3", ids, np.array([4, 5, 6, 7]))]))
-    done: set[str] = set()
-    for _ in range(400):
-        done |= b.finished_loads()
-        if done:
-            break
-        time.sleep(0.005)
-    assert done == {"r3"}
+    assert _finished_loads(b) == {"r3"}
     assert b.failed_blocks() == set(range(4 + first, 8))
     for name in src:
         assert torch.equal(dst[name][4 : 4 + first], src[name][0:first])

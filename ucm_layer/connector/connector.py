@@ -32,7 +32,6 @@ import logging
 import weakref
 from typing import Any
 
-from kvfabric.platform import registry as platform_registry
 from kvfabric.platform.base import Platform
 from kvfabric.platform.stream import Event
 from kvfabric.ucm_layer import hashing
@@ -185,15 +184,14 @@ class KVFabricConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 "to load is recomputed instead of failing the request",
                 kvt.kv_load_failure_policy,
             )
-        # a worker binds its own local device (each TP rank its own); the scheduler only
-        # names the platform for its index
-        self._own_platform = not self.is_scheduler
-        self.platform: Platform = (
-            devices.worker_platform(self.cfg.platform, devices.local_device_index())
-            if self._own_platform
-            else platform_registry.create(self.cfg.platform)
-            if self.cfg.platform
-            else platform_registry.default()
+        # each role owns its platform (closed at shutdown): a worker's is bound to its own
+        # local device (each TP rank its own); the scheduler's only serves its index. Not
+        # the process-wide default: that one was made under whatever environment (shared
+        # memory directory, platform) held when something in the process first asked for
+        # it, which need not be this engine's
+        self._own_platform = True
+        self.platform: Platform = devices.worker_platform(
+            self.cfg.platform, 0 if self.is_scheduler else devices.local_device_index()
         )
         geometry, layout_name = compat.expected_kv_geometry(vllm_config, kv_cache_config)
         self.expected_layout: str | None = None  # the physical layout's signature the ids cover
