@@ -1,9 +1,6 @@
 """The platform contract on the sim backend."""
 
-import pytest
 from platform_contract import *  # noqa: F403
+from platforms import spec_fixture
 
-
-@pytest.fixture
-def spec():
-    return "sim"
+spec = spec_fixture("sim")

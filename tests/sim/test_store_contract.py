@@ -1,15 +1,7 @@
 """The store conformance suite on every store and pipeline, on the sim platform."""
 
-import pytest
+from platforms import spec_fixture
 from store_contract import *  # noqa: F403
-from stores import STORE_SPECS
+from stores import store_spec  # noqa: F401
 
-
-@pytest.fixture
-def spec():
-    return "sim"
-
-
-@pytest.fixture(params=STORE_SPECS)
-def store_spec(request):
-    return request.param
+spec = spec_fixture("sim")

@@ -5,14 +5,9 @@ ends live, so a store that skips a synchronization or copies the wrong way fails
 
 import pytest
 from store_contract import *  # noqa: F403
-from stores import STORE_SPECS
+from stores import store_spec  # noqa: F401
 
 
 @pytest.fixture(params=["cuda-fake", "ascend-fake"])
 def spec(request):
-    return request.param
-
-
-@pytest.fixture(params=STORE_SPECS)
-def store_spec(request):
     return request.param

@@ -8,10 +8,14 @@ AclRuntime driving a host-memory build of the ACL C API through cffi); ``cuda`` 
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import importlib.util
 import os
+from typing import Any
 
 import numpy as np
+import pytest
 
 from kvfabric.platform.base import Platform
 from kvfabric.platform.types import Medium
@@ -46,6 +50,37 @@ def build(spec: str) -> Platform:
 
         return AscendPlatform()
     raise ValueError(f"unknown platform spec {spec!r}")
+
+
+#: what a real-hardware spec needs: (python module, its extra, device node globs, what is absent)
+_HARDWARE = {
+    "cuda": ("cupy", "cuda", ("/dev/nvidiactl", "/dev/nvidia[0-9]*"), "no NVIDIA GPU on this machine"),
+    "ascend": (
+        "torch_npu",
+        "ascend",
+        ("/dev/davinci[0-9]*",),
+        "no Ascend NPU on this machine (/dev/davinci* absent)",
+    ),
+}
+
+
+def require_hardware(spec: str) -> None:
+    """Skip the calling test module (at import) unless ``spec``'s device and SDK are here."""
+    module, extra, nodes, absent = _HARDWARE[spec]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install 'kvfabric[{extra}]')", allow_module_level=True)
+    if not any(glob.glob(pattern) for pattern in nodes):
+        pytest.skip(absent, allow_module_level=True)
+
+
+def spec_fixture(spec: str) -> Any:
+    """The ``spec`` fixture of a contract module that runs on one platform spec."""
+
+    @pytest.fixture(name="spec")
+    def _spec() -> str:
+        return spec
+
+    return _spec
 
 
 def inject_copy_failure(plat: Platform) -> None:

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvfabric.platform.base import Platform
 from kvfabric.platform.types import Medium
@@ -21,6 +22,13 @@ from kvfabric.ucm_layer.store.registry import create
 STORE_SPECS = ["posix", "cache", "cache|posix", "pool", "cache|pool"]
 #: lowest tiers whose contents outlive the writing process (the killed-writer test applies)
 PERSISTENT = {"posix", "pool"}
+
+
+@pytest.fixture(params=STORE_SPECS)
+def store_spec(request: pytest.FixtureRequest) -> str:
+    """Every store and pipeline, for a contract module that imports this fixture."""
+    return request.param
+
 
 LAYOUT = StoreLayout((4096, 1000, 77))
 

@@ -1,23 +1,10 @@
 """The store conformance suite on a real Ascend NPU (skipped without one, or without torch_npu)."""
 
-import glob
-import importlib.util
+from platforms import require_hardware, spec_fixture
 
-import pytest
-from store_contract import *  # noqa: F403
-from stores import STORE_SPECS
+require_hardware("ascend")
 
-if importlib.util.find_spec("torch_npu") is None:
-    pytest.skip("torch_npu is not installed (pip install 'kvfabric[ascend]')", allow_module_level=True)
-if not glob.glob("/dev/davinci[0-9]*"):
-    pytest.skip("no Ascend NPU on this machine (/dev/davinci* absent)", allow_module_level=True)
+from store_contract import *  # noqa: E402, F403
+from stores import store_spec  # noqa: E402, F401
 
-
-@pytest.fixture
-def spec():
-    return "ascend"
-
-
-@pytest.fixture(params=STORE_SPECS)
-def store_spec(request):
-    return request.param
+spec = spec_fixture("ascend")

@@ -1,21 +1,13 @@
 """The platform contract on a real NVIDIA GPU (skipped without one, or without CuPy)."""
 
-import glob
-import importlib.util
-import os
-
 import pytest
-from platform_contract import *  # noqa: F403
+from platforms import require_hardware, spec_fixture
 
-if importlib.util.find_spec("cupy") is None:
-    pytest.skip("CuPy is not installed (pip install 'kvfabric[cuda]')", allow_module_level=True)
-if not (os.path.exists("/dev/nvidiactl") or glob.glob("/dev/nvidia[0-9]*")):
-    pytest.skip("no NVIDIA GPU on this machine", allow_module_level=True)
+require_hardware("cuda")
 
+from platform_contract import *  # noqa: E402, F403
 
-@pytest.fixture
-def spec():
-    return "cuda"
+spec = spec_fixture("cuda")
 
 
 def test_batched_copy_uses_one_kernel_launch():
