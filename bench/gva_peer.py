@@ -7,10 +7,11 @@ first-touch faults during a measurement) and stays a member until ``stop()``.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+from kvfabric.harness.peer import spawn_ready
 
 
 def _main(conn: Connection, url: str, nbytes: int, platform: str | None, cfg: dict[str, Any]) -> None:
@@ -42,20 +43,9 @@ class GvaPeer:
     def start(
         cls, url: str, nbytes: int, platform: str | None = None, timeout: float = 120.0, **cfg: Any
     ) -> GvaPeer:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=_main, args=(child, url, nbytes, platform, cfg), daemon=True, name="kvfabric-gva-peer"
+        proc, parent, msg = spawn_ready(
+            _main, (url, nbytes, platform, cfg), "kvfabric-gva-peer", timeout, "gva peer"
         )
-        proc.start()
-        child.close()
-        if not parent.poll(timeout):
-            proc.kill()
-            raise TimeoutError(f"gva peer did not join within {timeout} s")
-        msg = parent.recv()
-        if msg[0] != "ready":
-            proc.join(10)
-            raise RuntimeError(f"gva peer failed: {msg[1]}")
         return cls(proc, parent, msg[1])
 
     def stop(self, timeout: float = 10.0) -> None:

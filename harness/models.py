@@ -68,6 +68,20 @@ def _save_random(model_cls: Any, cfg: Any, seed: int, final: Path) -> Path:
     return _publish(tmp, final)
 
 
+#: the shape of every random-weight tiny model: 4 layers, 4 query heads over 2 KV heads
+TINY_DIMS: dict[str, object] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "initializer_range": 0.3,
+    "tie_word_embeddings": False,
+}
+
+
 def tiny_llama(seed: int = 0) -> Path:
     """A random-weight Llama model directory (created once per seed)."""
     final = models_dir() / f"tiny-llama-s{seed}"
@@ -75,17 +89,7 @@ def tiny_llama(seed: int = 0) -> Path:
         return final
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-    )
+    cfg = LlamaConfig(**TINY_DIMS)
     return _save_random(LlamaForCausalLM, cfg, seed, final)
 
 
@@ -244,20 +248,12 @@ def tiny_hybrid(seed: int = 0) -> Path:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DIMS,
         head_dim=32,
         query_pre_attn_scalar=32,
         sliding_window=64,
         layer_types=["sliding_attention", "full_attention"] * 2,
-        max_position_embeddings=8192,
-        initializer_range=0.3,
         attn_logit_softcapping=None,
         final_logit_softcapping=None,
-        tie_word_embeddings=False,
     )
     return _save_random(Gemma3ForCausalLM, cfg, seed, final)

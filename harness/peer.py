@@ -10,11 +10,38 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from kvfabric.platform.types import Medium
+
+
+def spawn_ready(
+    target: Callable[..., None], args: tuple[Any, ...], name: str, timeout: float, what: str
+) -> tuple[Any, Connection, tuple[Any, ...]]:
+    """Spawn ``target(conn, *args)`` in a fresh interpreter and wait for its first message.
+
+    The child sends ``("ready", ...)`` once set up, or anything else (``("error", why)``)
+    when it could not be; returns ``(process, pipe, ready message)``. A child silent for
+    ``timeout`` seconds is killed (``TimeoutError``); one that reports a failure is killed
+    too (``RuntimeError`` with its message). The caller owns the process and the pipe.
+    """
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True, name=name)
+    proc.start()
+    child.close()
+    if not parent.poll(timeout):
+        proc.kill()
+        raise TimeoutError(f"{what} did not get ready within {timeout} s")
+    msg = parent.recv()
+    if msg[0] != "ready":
+        proc.kill()
+        proc.join(10)
+        raise RuntimeError(f"{what} failed: {msg[1:] if len(msg) > 1 else msg}")
+    return proc, parent, msg
 
 
 def _peer_main(conn: Connection, platform: str | None, nbytes: int, medium: str) -> None:
@@ -64,20 +91,9 @@ class PeerWindow:
     def start(
         cls, platform: str | None, nbytes: int, medium: Medium = Medium.HBM, timeout: float = 60.0
     ) -> PeerWindow:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=_peer_main, args=(child, platform, nbytes, medium.value), daemon=True, name="kvfabric-peer"
+        proc, parent, msg = spawn_ready(
+            _peer_main, (platform, nbytes, medium.value), "kvfabric-peer", timeout, "peer process"
         )
-        proc.start()
-        child.close()
-        if not parent.poll(timeout):
-            proc.kill()
-            raise TimeoutError(f"peer process did not export its window within {timeout} s")
-        msg = parent.recv()
-        if msg[0] != "ready":
-            proc.kill()
-            raise RuntimeError(f"peer process failed: {msg}")
         return cls(proc, parent, msg[1], msg[2], nbytes)
 
     def request(self, *cmd: Any) -> tuple[Any, ...]:
