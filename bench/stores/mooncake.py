@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from kvfabric.bench.poolcase import Op
 from kvfabric.bench.stores import chunks
+from kvfabric.harness.procs import free_port
 
 LOCAL_BUFFER = 16 << 20
 
@@ -34,12 +34,6 @@ def missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def setup_store(segment: int) -> Any:
     """A connected ``MooncakeDistributedStore`` contributing ``segment`` bytes (0: none).
     Needs ``MC_TCP_BIND_ADDRESS`` and the services of ``mooncake_host`` (their addresses
@@ -48,7 +42,7 @@ def setup_store(segment: int) -> Any:
 
     store = MooncakeDistributedStore()
     rc = store.setup(
-        f"127.0.0.1:{_free_port()}",
+        f"127.0.0.1:{free_port()}",
         os.environ["KVF_MC_METADATA"],
         int(segment),
         LOCAL_BUFFER,

@@ -38,6 +38,7 @@ from typing import Any
 
 from kvfabric.bench.poolcase import Plan, case_from_dict, case_to_dict
 from kvfabric.bench.stores import die_with_parent
+from kvfabric.harness.procs import stop_process
 
 METADATA_PORT, MASTER_PORT, METRICS_PORT = 18080, 50151, 19003
 MIN_SEGMENT = 64 << 20  # Mooncake refuses very small segments
@@ -94,13 +95,7 @@ def run(request: dict[str, Any], log_path: str, timeout: float) -> Iterator[dict
                 yield {"event": "error", "message": f"Mooncake part ran past {timeout:.0f} s; stopped"}
                 break
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 60)
         if proc.stdout is not None:
             proc.stdout.close()
 
@@ -180,13 +175,7 @@ class Services:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc)
             for f in (proc.stdin, proc.stdout):
                 if f is not None:
                     f.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import numpy as np
 
 from kvfabric.bench.poolcase import Op
 from kvfabric.bench.stores import chunks, die_with_parent
+from kvfabric.harness.procs import free_port, stop_process
 
 SERVER = "redis-server"
 
@@ -36,19 +36,13 @@ def missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Service:
     """``redis-server`` bound to 127.0.0.1 on a free port, no RDB/AOF; ``maxmemory`` of
     3 x ``capacity`` (allocator size classes and per-key overhead) with noeviction, a
     guard that fails puts rather than letting a runaway run take the machine's memory."""
 
     def __init__(self, capacity: int, workdir: str, options: dict[str, Any]) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.log = Path(workdir) / f"redis-{self.port}.log"
         cmd = [
             SERVER,
@@ -81,13 +75,7 @@ class Service:
                 time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def start(capacity: int, workdir: str, options: dict[str, Any] | None = None) -> Service:

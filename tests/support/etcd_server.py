@@ -5,21 +5,16 @@ from __future__ import annotations
 import contextlib
 import http.client
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 
+from kvfabric.harness.procs import free_port, stop_process
+
 
 def etcd_binary() -> str | None:
     return shutil.which("etcd")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(port: int) -> bool:
@@ -41,7 +36,7 @@ def etcd_server(timeout: float = 30.0) -> Iterator[str]:
         raise RuntimeError("etcd binary not found (Debian package etcd-server)")
     with tempfile.TemporaryDirectory(prefix="kvf-etcd-") as d:
         for _attempt in range(3):
-            client, peer = _free_port(), _free_port()
+            client, peer = free_port(), free_port()
             proc = subprocess.Popen(
                 [
                     exe,
@@ -78,9 +73,4 @@ def etcd_server(timeout: float = 30.0) -> Iterator[str]:
         try:
             yield f"etcd://127.0.0.1:{client}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 10)
