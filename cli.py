@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -93,6 +94,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvfabric.bench.compare import compare, read_rows
+
+    changes = compare(read_rows(args.before), read_rows(args.after))
+    if args.json:
+        for c in changes:
+            print(
+                json.dumps(
+                    {
+                        "case": c.case,
+                        "field": c.field,
+                        "before": c.before,
+                        "after": c.after,
+                        "after_over_before": c.change,
+                    }
+                )
+            )
+        return 0
+    t = Table("case", "ratio", "before", "after", "after / before", title=f"{args.before} -> {args.after}")
+    for c in changes:
+        t.add_row(
+            c.case,
+            c.field,
+            "-" if c.before is None else f"{c.before:.3g}",
+            "-" if c.after is None else f"{c.after:.3g}",
+            "-" if c.change is None else f"{c.change:.2f}",
+        )
+    Console().print(t)
+    return 0
+
+
 def cmd_shm(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -133,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads for timed work (gsa)")
     b.set_defaults(fn=cmd_bench)
+    c = sub.add_parser("compare", help="two benchmark runs' ratios side by side (JSON lines of bench --json)")
+    c.add_argument("before", help="JSON lines of the run before the change")
+    c.add_argument("after", help="JSON lines of the run after it")
+    c.add_argument("--json", action="store_true", help="one JSON object per ratio")
+    c.set_defaults(fn=cmd_compare)
     from kvfabric.pool.cli import add_parser as add_pool_parser
 
     add_pool_parser(sub)
