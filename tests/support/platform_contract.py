@@ -176,21 +176,33 @@ def test_stream_runs_copies_in_order(plat):
         plat.copy(c, b, stream=s)
 
 
-def test_event_orders_two_streams(plat):
+def _copy_ordered_by_event(plat, seed, record):
+    """DRAM -> HBM on one stream, then HBM -> DRAM on a second stream that waits only on
+    ``record(plat, first_stream)``'s event: the second copy must see the first's bytes."""
     n = 1 << 18
     a, b, c = (plat.alloc(n, m) for m in (Medium.DRAM, Medium.HBM, Medium.DRAM))
-    put(plat, a, pattern(n, 8))
+    put(plat, a, pattern(n, seed))
     put(plat, c, np.zeros(n, np.uint8))
-    s1, s2, ev = plat.stream(), plat.stream(), plat.event()
-    assert ev.query()  # never recorded: complete
+    s1, s2 = plat.stream(), plat.stream()
     plat.copy(b, a, stream=s1)
-    ev.record(s1)
+    ev = record(plat, s1)
     s2.wait_event(ev)
     plat.copy(c, b, stream=s2)
     s2.synchronize()
-    assert np.array_equal(c.numpy(), pattern(n, 8))
+    assert np.array_equal(c.numpy(), pattern(n, seed))
     ev.synchronize()
     assert ev.query()
+
+
+def test_event_orders_two_streams(plat):
+    ev = plat.event()
+    assert ev.query()  # never recorded: complete
+
+    def record(plat, stream):
+        ev.record(stream)
+        return ev
+
+    _copy_ordered_by_event(plat, 8, record)
 
 
 def test_record_external_orders_a_stream_it_did_not_make(plat):
@@ -200,19 +212,8 @@ def test_record_external_orders_a_stream_it_did_not_make(plat):
             plat.record_external(0)
         assert plat.framework_stream() is None
         return
-    n = 1 << 18
-    a, b, c = (plat.alloc(n, m) for m in (Medium.DRAM, Medium.HBM, Medium.DRAM))
-    put(plat, a, pattern(n, 9))
-    put(plat, c, np.zeros(n, np.uint8))
-    s1, s2 = plat.stream(), plat.stream()
-    plat.copy(b, a, stream=s1)
-    ev = plat.record_external(s1.handle)  # s1 stands in for a framework's stream
-    s2.wait_event(ev)
-    plat.copy(c, b, stream=s2)
-    s2.synchronize()
-    assert np.array_equal(c.numpy(), pattern(n, 9))
-    ev.synchronize()
-    assert ev.query()
+    # the first stream stands in for a framework's stream
+    _copy_ordered_by_event(plat, 9, lambda plat, stream: plat.record_external(stream.handle))
     with pytest.raises(TypeError, match="raw stream handle"):
         plat.record_external(None)
 
