@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from kvfabric.bench.report import BenchContext, cpu_busy_fraction, machine_note, read_cpu_row
+from kvfabric.status import ItemStatus
 
 KiB = 1 << 10
 FULL_LENGTHS = (512, 2048, 7000)
@@ -162,7 +163,7 @@ def _delegator_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
                         status = built[on][1].dump(ids, np.arange(DUMP_BLOCKS)).wait()
                         dt = time.perf_counter() - t0
                         sim[on].append(sum(r.sim_s for r in plat.ledger.totals()) - before)
-                        if (status != 0).any():
+                        if (status != ItemStatus.OK).any():
                             raise RuntimeError(f"bench dump failed: {status}")
                         return dt
 

@@ -120,7 +120,7 @@ Request = (
 class Reply(msgspec.Struct, frozen=True, omit_defaults=True):
     epoch: int
     error: str = ""  # a request the service refused as a whole (bad argument, bad token)
-    status: list[int] = []
+    status: list[int] = []  # per key: a kvfabric.status.ItemStatus value (pool names: pool.status)
     gvas: list[int] = []
     sizes: list[int] = []
     gens: list[int] = []

@@ -22,9 +22,14 @@ Contract (call order, ownership, threads):
   block indices. The KV cache memory must stay untouched by the engine until
   ``DumpOp.released()`` (enabled: the gather finished; off: the store finished reading),
   and must not be read until ``LoadOp.wait()`` returned.
-* ``wait()`` returns the per-block :class:`BlockStatus` array; a load scatters only the
-  blocks whose status is ``OK``. Each op may be waited once; the Delegator is the only
-  consumer of the store tasks it creates.
+* A ``DumpOp`` / ``LoadOp`` is a :class:`kvfabric.status.Handle`: ``check()`` never
+  blocks; ``wait(timeout=None)`` returns the per-block :class:`~kvfabric.status.ItemStatus`
+  array (a load scatters only the blocks whose status is ``OK``), and raises
+  ``TimeoutError`` if ``timeout`` passes first, the op going on and waitable again;
+  ``cancel()`` stops what has not started (``kvfabric.status.wait_or_cancel(op, t)``:
+  a deadline, then cancel, the stopped blocks reading ``TIMEOUT``). Each op returns its
+  statuses once (a second ``wait`` is a ``ValueError``); one consumer waits or cancels
+  it. The Delegator is the only consumer of the store tasks it creates.
 * Staging slots are reused: when a dump finds too few free slots, it first finishes the
   oldest dumps in flight. All methods are thread-safe. ``close()`` finishes what is in
   flight and frees the staging memory.
@@ -33,19 +38,21 @@ Contract (call order, ownership, threads):
 from __future__ import annotations
 
 import threading
+import time
+import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvfabric.platform.base import Platform
 from kvfabric.platform.stream import Event
 from kvfabric.platform.types import CopyBatch, Medium
+from kvfabric.status import ItemStatus
 from kvfabric.ucm_layer.kv_layout import KVLayout
-from kvfabric.ucm_layer.store.base import BlockStatus, Store, StoreLayout, Task, check_ids
-
-OK = np.int8(BlockStatus.OK)
+from kvfabric.ucm_layer.store.base import Store, StoreLayout, Task, check_ids
 
 
 @dataclass
@@ -61,6 +68,8 @@ class _Chunk:
 
 @dataclass
 class _Op:
+    """A dump or load in flight: a :class:`kvfabric.status.Handle` (see the module docstring)."""
+
     delegator: Delegator
     kind: str
     ids: np.ndarray
@@ -73,28 +82,39 @@ class _Op:
     def num_blocks(self) -> int:
         return int(self.blocks.size)
 
-    def done(self) -> bool:
+    def check(self) -> bool:
         """Whether every store task of this op has finished (never blocks)."""
-        d = self.delegator
-        return all(
-            c.status is not None or (c.task is not None and d.store.check(c.task)) for c in self.chunks
-        )
+        return all(c.status is not None or (c.task is not None and c.task.check()) for c in self.chunks)
+
+    def done(self) -> bool:
+        """Deprecated: ``check()``."""
+        warnings.warn("DumpOp/LoadOp.done() is deprecated: use check()", DeprecationWarning, stacklevel=2)
+        return self.check()
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """The per-block statuses once every block finished; ``TimeoutError`` (the op goes on
+        and may be waited again) if ``timeout`` seconds pass first. Once only."""
+        return self.delegator._wait(self, timeout)
+
+    def cancel(self) -> None:
+        """Stop what has not started; a following ``wait`` returns at once (the blocks
+        the cancel stopped read ``CANCELLED``)."""
+        self.delegator._cancel(self)
 
 
 class DumpOp(_Op):
     def released(self) -> bool:
         """Whether the engine may reuse the source KV blocks (never blocks)."""
         if not self.delegator.enabled:
-            return self.done()
+            return self.check()
         return all(c.gathered is None or c.gathered.query() for c in self.chunks)
-
-    def wait(self, timeout: float | None = None) -> np.ndarray:
-        return self.delegator._wait_dump(self, timeout)
 
 
 class LoadOp(_Op):
-    def wait(self, timeout: float | None = None) -> np.ndarray:
-        return self.delegator._wait_load(self, timeout)
+    pass
+
+
+OpT = TypeVar("OpT", bound=_Op)
 
 
 class Delegator:
@@ -217,10 +237,7 @@ class Delegator:
         if not blocks.size:
             return op
         if not self.enabled:
-            addrs = self.layout.addrs(blocks)[:, self._cols(layer)]
-            op.chunks.append(_Chunk(slice(0, blocks.size), np.empty(0, np.int64)))
-            op.chunks[0].task = self.store.dump(ids, shard, addrs, after=after)
-            return op
+            return self._direct(op, lambda addrs: self.store.dump(ids, shard, addrs, after=after))
         step = self.staging_blocks
         for start in range(0, blocks.size, step):
             rows = slice(start, min(start + step, blocks.size))
@@ -259,20 +276,12 @@ class Delegator:
                 pass
             self._give_slots(chunk.slots)
 
-    def _wait_dump(self, op: DumpOp, timeout: float | None) -> np.ndarray:
-        if op.waited:
-            raise ValueError("this dump was already waited for")
-        op.waited = True
-        out = np.full(op.num_blocks, OK, np.int8)
-        for c in op.chunks:
-            if c.status is None:
-                if self.enabled:
-                    self._finish_dump_chunk(op, c, timeout)
-                else:
-                    assert c.task is not None
-                    c.status = self.store.wait(c.task, timeout)
-            out[c.rows] = c.status
-        return out
+    def _direct(self, op: OpT, start: Callable[[np.ndarray], Task]) -> OpT:
+        """The Delegator off: one store task over the KV pieces themselves."""
+        chunk = _Chunk(slice(0, op.num_blocks), np.empty(0, np.int64))
+        chunk.task = start(self.layout.addrs(op.blocks)[:, self._cols(op.layer)])
+        op.chunks.append(chunk)
+        return op
 
     # ------------------------------------------------------------------ load
     def load(self, ids: Any, blocks: Any, layer: int | None = None) -> LoadOp:
@@ -282,11 +291,7 @@ class Delegator:
         if not blocks.size:
             return op
         if not self.enabled:
-            addrs = self.layout.addrs(blocks)[:, self._cols(layer)]
-            chunk = _Chunk(slice(0, blocks.size), np.empty(0, np.int64))
-            chunk.task = self.store.load(ids, shard, addrs)
-            op.chunks.append(chunk)
-            return op
+            return self._direct(op, lambda addrs: self.store.load(ids, shard, addrs))
         step = self.staging_blocks
         for start in range(0, blocks.size, step):
             op.chunks.append(_Chunk(slice(start, min(start + step, blocks.size)), np.empty(0, np.int64)))
@@ -314,36 +319,68 @@ class Delegator:
                 raise
             issued += 1
 
-    def _wait_load(self, op: LoadOp, timeout: float | None) -> np.ndarray:
+    def _collect_load(self, op: LoadOp, c: _Chunk) -> None:
+        """Take the statuses of a finished load chunk, scatter its ``OK`` blocks, free its slots."""
+        assert c.task is not None
+        try:
+            c.status = self.store.wait(c.task)
+            if self.enabled:
+                good = np.flatnonzero(c.status == ItemStatus.OK)
+                if good.size:
+                    blocks = op.blocks[c.rows][good]
+                    self.platform.batch_copy(self._copy_batch(blocks, c.slots[good], op.layer, False))
+        finally:
+            self._give_slots(c.slots)
+            c.slots = np.empty(0, np.int64)
+
+    def _finish(self, op: _Op, c: _Chunk) -> None:
+        if isinstance(op, DumpOp):
+            self._finish_dump_chunk(op, c, None)
+        else:
+            self._collect_load(op, c)
+
+    def _wait(self, op: _Op, timeout: float | None) -> np.ndarray:
         if op.waited:
-            raise ValueError("this load was already waited for")
-        op.waited = True
-        out = np.full(op.num_blocks, OK, np.int8)
-        shard = 0 if op.layer is None else op.layer
+            raise ValueError(f"this {op.kind} was already waited for")
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             for c in op.chunks:
-                if c.task is None:
-                    self._issue_loads(op, shard, limit=1)
+                if c.status is not None:
+                    continue
+                if c.task is None:  # a load chunk not issued yet (slots were short)
+                    assert isinstance(op, LoadOp)
+                    self._issue_loads(op, 0 if op.layer is None else op.layer, limit=1)
                 assert c.task is not None
-                c.status = self.store.wait(c.task, timeout)
-                if self.enabled:
-                    good = np.flatnonzero(c.status == OK)
-                    if good.size:
-                        blocks = op.blocks[c.rows][good]
-                        self.platform.batch_copy(self._copy_batch(blocks, c.slots[good], op.layer, False))
-                    self._give_slots(c.slots)
-                    c.slots = np.empty(0, np.int64)
-                out[c.rows] = c.status
-        finally:
-            for c in op.chunks:  # an error part-way: cancel and release the rest
-                if c.status is None and c.task is not None:
-                    self.store.cancel(c.task)
-                    c.status = self.store.wait(c.task, timeout)
-                    out[c.rows] = BlockStatus.CANCELLED
-                if c.slots.size:
-                    self._give_slots(c.slots)
-                    c.slots = np.empty(0, np.int64)
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                if not c.task.wait_finished(left):
+                    raise TimeoutError(
+                        f"{op.kind} of {op.num_blocks} block(s) not finished after {timeout} s"
+                    )
+                self._finish(op, c)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._cancel(op)  # an error part-way: cancel and release the rest
+            raise
+        op.waited = True
+        out = np.empty(op.num_blocks, np.int8)
+        for c in op.chunks:
+            out[c.rows] = c.status
         return out
+
+    def _cancel(self, op: _Op) -> None:
+        """Cancel the store tasks of ``op`` that are not collected, collect them, and mark
+        the chunks never issued ``CANCELLED``."""
+        for c in op.chunks:
+            if c.status is not None:
+                continue
+            if c.task is None:
+                c.status = np.full(c.rows.stop - c.rows.start, ItemStatus.CANCELLED, np.int8)
+                continue
+            self.store.cancel(c.task)
+            self._finish(op, c)
 
     # ------------------------------------------------------------------ lifecycle
     def drain(self) -> None:

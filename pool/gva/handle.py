@@ -1,14 +1,17 @@
 """``XferHandle``: an xcopy in flight, and ``submit``, which runs a validated plan.
 
-``check()`` polls, ``wait(timeout)`` blocks, ``status`` is a per-item :class:`ItemStatus`
-array: a group that fails marks only its own items ``FAILED`` (``errors`` says why), the
-others complete. Mapped windows a group uses stay pinned until it completes, so they
-are not unmapped under a copy when their owner leaves. One consumer waits on a handle.
+An ``XferHandle`` is a :class:`kvfabric.status.Handle`: ``check()`` polls, ``wait(timeout)``
+blocks and returns ``status``, the per-item :class:`~kvfabric.status.ItemStatus` array
+(``PENDING`` until an item's group finished, then ``OK`` or ``FAILED``); a ``TimeoutError``
+leaves the handle waitable again, and waiting a finished handle returns the same array.
+A group that fails marks only its own items ``FAILED`` (``errors`` says why), the others
+complete. No ``cancel``: copies cannot be recalled. Mapped windows a group uses stay
+pinned until it completes, so they are not unmapped under a copy when their owner
+leaves. Any thread may ``check``; one consumer waits on a handle.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 
@@ -19,19 +22,14 @@ from kvfabric.pool.gva.address import LOCAL_KEY
 from kvfabric.pool.gva.transports.base import Completion
 from kvfabric.pool.gva.view import MappedWindow, View
 from kvfabric.pool.gva.xcopy import Planned
-
-
-class ItemStatus(enum.IntEnum):
-    PENDING = 0
-    OK = 1
-    FAILED = 2
+from kvfabric.status import ItemStatus, pending
 
 
 class XferHandle:
     """An xcopy in flight (see module docstring). Thread-safe; one consumer waits."""
 
     def __init__(self, n: int) -> None:
-        self.status = np.zeros(n, np.int8)
+        self.status = pending(n)
         self.errors: list[tuple[np.ndarray, BaseException]] = []
         self._parts: list[tuple[np.ndarray, Completion, list[MappedWindow]]] = []
         self._lock = threading.Lock()
@@ -61,12 +59,13 @@ class XferHandle:
         """True when every item has finished (successfully or not); never blocks."""
         with self._lock:
             for k, (index, comp, _pins) in enumerate(self._parts):
-                if self.status[index[0]] == ItemStatus.PENDING and comp.done():
+                if self.status[index[0]] == ItemStatus.PENDING and comp.check():
                     self._finish(k, 0)
             return not (self.status == ItemStatus.PENDING).any()
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
-        """Block until every item finished; the status array. ``TimeoutError`` on expiry."""
+        """Block until every item finished; the status array. ``TimeoutError`` on expiry (the
+        handle stays waitable)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             for k, (index, _comp, _pins) in enumerate(self._parts):

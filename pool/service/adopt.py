@@ -25,6 +25,7 @@ from kvfabric.platform import shm
 from kvfabric.platform.types import Medium
 from kvfabric.pool import table as tbl
 from kvfabric.pool.service.meta import MetaService
+from kvfabric.pool.status import Status
 
 log = logging.getLogger("kvfabric.pool")
 
@@ -71,7 +72,7 @@ def _rebuild_from(service: MetaService, old: tbl.TableView) -> int:
         s["gen"][live].tolist(),
         s["csum"][live].tolist(),
     )
-    return sum(1 for x in st if x == 0)
+    return sum(1 for x in st if x == Status.OK)
 
 
 def _fence_from(service: MetaService, old: tbl.TableView) -> None:

@@ -17,6 +17,7 @@ from stores import LAYOUT, dump_blocks, random_ids
 
 from kvfabric.platform.sim import SimPlatform
 from kvfabric.pool.autostart import daemon_pid, probe
+from kvfabric.status import ItemStatus
 from kvfabric.ucm_layer.connector import stores
 from kvfabric.ucm_layer.connector.config import load_config
 from kvfabric.ucm_layer.store.index import PoolIndex
@@ -84,7 +85,7 @@ def test_in_one_process_the_scheduler_answers_from_the_workers_store(runtime, pl
     assert index.lookup_prefix(ids) == 0 and index.index is None  # no worker store yet: nothing stored
     store = stores.acquire(cfg, plat, LAYOUT)
     try:
-        assert (dump_blocks(store, plat, ids[:3]) == 0).all()
+        assert (dump_blocks(store, plat, ids[:3]) == ItemStatus.OK).all()
         assert index.lookup_prefix(ids) == 3 and index.index is store
         index.close()
         assert not store._closed  # the worker's store is the worker's to close

@@ -35,10 +35,11 @@ _LATE_WRITER = textwrap.dedent(
     """
     import ctypes, json, sys
     from kvfabric.pool import connect
+    from kvfabric.pool.status import Status
     c = connect(sys.argv[1])
     size = int(sys.argv[2])
     st, gvas = c.batch_alloc(["late"], [size])
-    assert st[0] == 0, st
+    assert st[0] == Status.OK, st
     ptr, host = c.dp.local(int(gvas[0]), size)
     print(json.dumps({"gva": int(gvas[0])}), flush=True)
     sys.stdin.readline()

@@ -32,10 +32,11 @@ sys.path.insert(0, {support!r})
 from cpuhog import hold_gil
 from pool_testing import content
 from kvfabric.pool import connect
+from kvfabric.pool.status import Status
 c = connect(sys.argv[1], window_bytes=2 << 20)
 keys = [sys.argv[2] + str(i) for i in range(24)]
 st = c.batch_put(keys, [content(k, 100 << 10) for k in keys])
-assert (st == 0).all(), st
+assert (st == Status.OK).all(), st
 mine = [k for k in keys if c.addr.decode(int(c.table.lookup(k.encode()).gva))[1] == c.rank]
 print(json.dumps({{"rank": c.rank, "keys": keys, "mine": mine}}), flush=True)
 for line in sys.stdin:

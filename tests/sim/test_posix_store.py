@@ -175,7 +175,7 @@ _TINY_FS_CHILD = textwrap.dedent(
     vis = s.lookup(ids)
     d = Blocks(plat, LAYOUT, 80)
     ld = s.wait(s.load(ids, 0, d.addrs))
-    exact = bool(all(np.array_equal(d.read()[i], data[i]) for i in np.flatnonzero(ld == 0)))
+    exact = bool(all(np.array_equal(d.read()[i], data[i]) for i in np.flatnonzero(ld == BlockStatus.OK)))
     print(json.dumps({"status": st.tolist(), "visible": vis.tolist(), "load": ld.tolist(), "exact": exact}))
     s.close()
     plat.close()

@@ -22,6 +22,7 @@ from kvfabric.errors import RankUnavailable
 from kvfabric.pool.gva.config import GvaConfig
 from kvfabric.pool.gva.fabric import Fabric
 from kvfabric.pool.gva.rendezvous.server import RendezvousServer
+from kvfabric.status import ItemStatus
 
 WIN = 16 << 20
 REMOTE = ("mapped", "remote")
@@ -51,7 +52,7 @@ def main() -> None:
             items = [(gb + base + int(o), src.ptr + int(o) * 1, n) for o, n in zip(offs, sizes)]
             h = a.batch_xcopy(items)
             st = h.wait(60)
-            out["batch_status_ok"] = bool(h.ok and (st == 1).all())
+            out["batch_status_ok"] = bool(h.ok and (st == ItemStatus.OK).all())
             total = int(sum(sizes))
             a.xcopy_sync(back, gb + base, total)
             out["batch_bytes_ok"] = bool((back.numpy()[:total] == src.numpy()[:total]).all())

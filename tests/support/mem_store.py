@@ -14,28 +14,32 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from kvfabric.errors import ServiceUnavailable
-from kvfabric.ucm_layer.store.base import (
-    BlockStatus,
-    Store,
-    StoreLayout,
-    Task,
-    TaskKind,
-    check_addrs,
-    check_ids,
-    check_ranges,
-    check_shard,
-)
+from kvfabric.status import ItemStatus
+from kvfabric.ucm_layer.store import base
+from kvfabric.ucm_layer.store.base import Store, StoreLayout, Task, TaskKind
 
 
 class MemTask(Task):
-    def __init__(self, kind: TaskKind, n: int, fut: Future) -> None:
-        self.kind, self.num_blocks, self.fut, self.waited = kind, n, fut, False
+    """A task of a :class:`MemStore`: a future of the status array (``Task`` gives it the
+    handle methods, ``wait_finished`` waiting on the future)."""
+
+    def __init__(self, store: MemStore, kind: TaskKind, n: int, fut: Future) -> None:
+        self.store, self.kind, self.num_blocks, self.fut, self.waited = store, kind, n, fut, False
+
+    def wait_finished(self, timeout: float | None) -> bool:
+        try:
+            self.fut.exception(timeout)
+        except TimeoutError:
+            return False
+        except CancelledError:
+            pass
+        return True
 
 
 class MemStore(Store):
@@ -57,7 +61,7 @@ class MemStore(Store):
         return all((key, s) in self.data for s in range(self.layout.num_shards))
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        ids = check_ids(ids)
+        ids = base.check_ids(ids)
         if self.down:
             raise ServiceUnavailable("mem store is down")
         with self._lock:
@@ -66,7 +70,7 @@ class MemStore(Store):
     def _dump(self, ids: np.ndarray, shard: int, addrs: np.ndarray, after: Any) -> np.ndarray:
         if after is not None:
             after.synchronize()
-        out = np.zeros(len(ids), np.int8)
+        out = np.full(len(ids), ItemStatus.OK, np.int8)
         sizes = self.layout.piece_sizes
         for i, key in enumerate(ids):
             blob = b"".join(ctypes.string_at(int(a), n) for a, n in zip(addrs[i], sizes))
@@ -76,7 +80,7 @@ class MemStore(Store):
         return out
 
     def _load(self, ids: np.ndarray, shard: int, addrs: np.ndarray) -> np.ndarray:
-        out = np.zeros(len(ids), np.int8)
+        out = np.full(len(ids), ItemStatus.OK, np.int8)
         sizes = self.layout.piece_sizes
         for i, key in enumerate(ids):
             with self._lock:
@@ -85,17 +89,17 @@ class MemStore(Store):
                 fail = self.fail_loads or self.down or self.fail_next_loads > 0
                 self.fail_next_loads = max(0, self.fail_next_loads - 1)
             if fail:
-                out[i] = BlockStatus.FAILED
+                out[i] = ItemStatus.FAILED
                 continue
             if blob is None:
-                out[i] = BlockStatus.MISSING
+                out[i] = ItemStatus.MISSING
                 continue
             with self._lock:
                 corrupt = self.corrupt_next_loads > 0
                 self.corrupt_next_loads = max(0, self.corrupt_next_loads - 1)
             if corrupt:
                 blob = bytes([blob[0] ^ 0xFF]) + blob[1:]
-                out[i] = BlockStatus.CORRUPT
+                out[i] = ItemStatus.CORRUPT
             off = 0
             for a, n in zip(addrs[i], sizes):
                 ctypes.memmove(int(a), blob[off : off + n], n)
@@ -105,20 +109,20 @@ class MemStore(Store):
         return out
 
     def _checked(self, ids: Any, shard_idx: int, addrs: Any) -> tuple[np.ndarray, int, np.ndarray]:
-        ids = check_ids(ids)
-        shard = check_shard(shard_idx, self.layout)
-        addrs = check_addrs(addrs, len(ids), self.layout)
+        ids = base.check_ids(ids)
+        shard = base.check_shard(shard_idx, self.layout)
+        addrs = base.check_addrs(addrs, len(ids), self.layout)
         if self.platform is not None and addrs.size:
-            check_ranges(self.platform, addrs, self.layout)
+            base.check_ranges(self.platform, addrs, self.layout)
         return ids, shard, addrs
 
     def load(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray) -> Task:
         ids, shard, addrs = self._checked(ids, shard_idx, addrs)
-        return MemTask(TaskKind.LOAD, len(ids), self._pool.submit(self._load, ids, shard, addrs))
+        return MemTask(self, TaskKind.LOAD, len(ids), self._pool.submit(self._load, ids, shard, addrs))
 
     def dump(self, ids: np.ndarray, shard_idx: int, addrs: np.ndarray, after: Any = None) -> Task:
         ids, shard, addrs = self._checked(ids, shard_idx, addrs)
-        return MemTask(TaskKind.DUMP, len(ids), self._pool.submit(self._dump, ids, shard, addrs, after))
+        return MemTask(self, TaskKind.DUMP, len(ids), self._pool.submit(self._dump, ids, shard, addrs, after))
 
     def check(self, task: Task) -> bool:
         return task.fut.done()  # type: ignore[attr-defined]
@@ -127,6 +131,8 @@ class MemStore(Store):
         if task.waited:  # type: ignore[attr-defined]
             raise ValueError("task already waited")
         task.waited = True  # type: ignore[attr-defined]
+        if task.fut.cancelled():  # type: ignore[attr-defined]
+            return np.full(task.num_blocks, ItemStatus.CANCELLED, np.int8)
         return task.fut.result(timeout)  # type: ignore[attr-defined]
 
     def cancel(self, task: Task) -> None:

@@ -198,24 +198,35 @@ def test_same_size_corruption_is_never_served(store_spec, tmp_path, plat, site):
 
 
 # ---------------------------------------------------------------------------- concurrency
+def _in_threads(fn, n):
+    """``[fn(0), ..., fn(n - 1)]``, each on its own thread (None for one that did not end
+    within 60 s)."""
+    results = [None] * n
+
+    def run(k):
+        results[k] = fn(k)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
 def test_concurrent_dumps_of_the_same_ids(store, plat):
     ids = random_ids(N, 6)
     data = block_bytes(ids, LAYOUT.shard_bytes)
     srcs = [Blocks(plat, LAYOUT, N) for _ in range(4)]
     for b in srcs:
         b.write(data)
-    results = [None] * 4
     barrier = threading.Barrier(4)
 
     def run(k):
         barrier.wait()
-        results[k] = dump_all(store, ids, srcs[k])
+        return dump_all(store, ids, srcs[k])
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = _in_threads(run, 4)
     assert all(r is not None and (r == OK).all() for r in results), results
     dst = Blocks(plat, LAYOUT, N)
     assert (load_all(store, ids, dst) == OK).all()
@@ -229,16 +240,7 @@ def test_concurrent_loads_of_the_same_ids(store, plat):
     src.write(data)
     assert (dump_all(store, ids, src) == OK).all()
     dsts = [Blocks(plat, LAYOUT, N) for _ in range(4)]
-    results = [None] * 4
-
-    def run(k):
-        results[k] = load_all(store, ids, dsts[k])
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = _in_threads(lambda k: load_all(store, ids, dsts[k]), 4)
     for r, d in zip(results, dsts):
         assert r is not None and (r == OK).all()
         assert np.array_equal(d.read(), data)

@@ -13,6 +13,7 @@ import pytest
 from store_faults import blocked_event, child_dump_forever, clear_faults, fail_copies
 from stores import LAYOUT, PERSISTENT, Blocks, block_bytes, build_store, lowest, random_ids
 
+from kvfabric.status import Handle
 from kvfabric.ucm_layer.store.base import BlockStatus
 
 OK, FAILED = int(BlockStatus.OK), int(BlockStatus.FAILED)
@@ -89,12 +90,18 @@ def test_writer_killed_mid_dump_leaves_no_torn_block(store_spec, tmp_path, plat,
 
 
 # ---------------------------------------------------------------------------- cancel, timeout
-def test_cancelled_dump_leaves_nothing_visible(store, plat):
-    ids = random_ids(N, 8)
+def _blocked_dump(store, plat, seed, seconds=1.5):
+    """``(ids, src, stream, task)``: a dump of N blocks held back by an event that completes
+    only after ``seconds`` (once ``stream`` is synchronized)."""
+    ids = random_ids(N, seed)
     src = Blocks(plat, LAYOUT, N)
     src.write(block_bytes(ids, LAYOUT.shard_bytes))
-    s, ev = blocked_event(plat, 1.5)
-    t = store.dump(ids, 0, src.addrs, after=ev)
+    s, ev = blocked_event(plat, seconds)
+    return ids, src, s, store.dump(ids, 0, src.addrs, after=ev)
+
+
+def test_cancelled_dump_leaves_nothing_visible(store, plat):
+    ids, _src, s, t = _blocked_dump(store, plat, 8)
     assert not store.check(t)
     store.cancel(t)
     assert store.check(t)
@@ -120,11 +127,7 @@ def test_cancelled_load_touches_nothing_it_did_not_report(store, plat):
 
 
 def test_dump_timeout_cancels_cleanly(store, plat):
-    ids = random_ids(N, 10)
-    src = Blocks(plat, LAYOUT, N)
-    src.write(block_bytes(ids, LAYOUT.shard_bytes))
-    s, ev = blocked_event(plat, 1.5)
-    t = store.dump(ids, 0, src.addrs, after=ev)
+    ids, src, s, t = _blocked_dump(store, plat, 10)
     assert (store.wait(t, timeout=0.1) == TIMEOUT).all()
     s.synchronize()
     time.sleep(0.1)
@@ -184,3 +187,18 @@ def test_close_finishes_or_cancels_outstanding_tasks(store_spec, tmp_path, plat,
             assert again.lookup(ids).tolist() == [True] * 4 + [False] * (N - 4)
         finally:
             again.close()
+
+
+def test_task_is_a_handle_whose_timeout_leaves_it_waitable(store, plat):
+    ids, _src, s, t = _blocked_dump(store, plat, 14, seconds=0.3)
+    assert isinstance(t, Handle) and t.store is store and not t.check()
+    with pytest.raises(TimeoutError):
+        t.wait(0.02)
+    assert not t.check()  # still running: the timeout changed nothing
+    s.synchronize()
+    assert (t.wait(30) == OK).all() and store.lookup(ids).all()
+    with pytest.raises(ValueError, match="already waited"):
+        t.wait()
+    t2 = store.load(ids, 0, Blocks(plat, LAYOUT, N).addrs)
+    t2.cancel()
+    assert t2.check() and set(np.unique(t2.wait())) <= {OK, CANCELLED}

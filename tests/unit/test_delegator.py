@@ -93,14 +93,14 @@ def test_layerwise_shards_one_per_layer(plat):
     assert store.layout.num_shards == L
     ids = _ids(4, 9)
     ops = [d.dump(ids, [0, 1, 2, 3], layer=layer) for layer in range(L)]
-    assert all((op.wait() == 0).all() for op in ops)
+    assert all((op.wait() == BlockStatus.OK).all() for op in ops)
     assert store.lookup(ids).all()
     for t in dst.values():
         plat.wrap(t, Medium.HBM)
     d2 = Delegator(plat, layout_from_tensors(dst, NB), store, layerwise=True)
     loads = [d2.load(ids, [4, 5, 6, 7], layer=layer) for layer in range(L)]
     for layer, op in enumerate(loads):
-        assert (op.wait() == 0).all()
+        assert (op.wait() == BlockStatus.OK).all()
         assert torch.equal(dst[f"l{layer}"][:, 4:8], src[f"l{layer}"][:, 0:4])
     with pytest.raises(ValueError, match="layer-wise"):
         d2.load(ids, [0, 1, 2, 3])
@@ -117,7 +117,7 @@ def test_dump_waits_for_the_compute_event(plat):
     src["l0"][:, 0] = 7.0  # written "by the kernel" before the event completes
     op = d.dump(_ids(1, 5), [0], after=ev)
     assert not op.released()  # the gather waits for the stalled compute stream
-    assert (op.wait() == 0).all() and op.released()
+    assert (op.wait() == BlockStatus.OK).all() and op.released()
     d.close(), store.close()
 
 

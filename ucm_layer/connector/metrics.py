@@ -23,11 +23,12 @@ import statistics
 import threading
 from typing import Any
 
+from kvfabric.status import BLOCK_STATUSES
 from kvfabric.ucm_layer.store.base import BlockStatus
 
 #: reasons a block fails to load: every store status but OK and PENDING, and ``error``
 FAILURE_REASONS = (
-    *(s.name.lower() for s in BlockStatus if s not in (BlockStatus.OK, BlockStatus.PENDING)),
+    *(s.name.lower() for s in BLOCK_STATUSES if s not in (BlockStatus.OK, BlockStatus.PENDING)),
     "error",
 )
 

@@ -63,6 +63,7 @@ import numpy as np
 from kvfabric.platform.base import Platform
 from kvfabric.platform.stream import Event
 from kvfabric.platform.types import Medium
+from kvfabric.status import wait_or_cancel
 from kvfabric.ucm_layer import hashing
 from kvfabric.ucm_layer.connector.config import ConnectorConfig
 from kvfabric.ucm_layer.connector.metrics import StatsWindow
@@ -278,7 +279,7 @@ class WorkerSide:
             return
         start_ns = time.time_ns()
         try:
-            status = self.delegator.load(ids, blocks).wait(self.cfg.load_timeout_s)
+            status = wait_or_cancel(self.delegator.load(ids, blocks), self.cfg.load_timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
             self._load_failed(blocks, f"{type(e).__name__}: {e}")
             return
@@ -347,7 +348,7 @@ class WorkerSide:
             self._await_any(IDLE_WAIT_S)
         now = time.monotonic()
         for key, a in list(self._async.items()):
-            finished = a.op.done()
+            finished = a.op.check()
             if not finished and now < a.deadline:
                 continue
             del self._async[key]
@@ -355,7 +356,7 @@ class WorkerSide:
             done.add(req_id)
             blocks = a.transfer.blocks
             try:  # done: scatter the good blocks; past the deadline: cancel what is left
-                status = a.op.wait(None if finished else 0.0)
+                status = wait_or_cancel(a.op, None if finished else 0.0)
             except Exception as e:  # noqa: BLE001 - a failed load is a recompute
                 self._load_failed(blocks, f"{type(e).__name__}: {e}", req_id=req_id)
                 continue
@@ -378,7 +379,7 @@ class WorkerSide:
         end = time.monotonic() + seconds
         while True:
             now = time.monotonic()
-            if now >= end or any(a.op.done() or now >= a.deadline for a in self._async.values()):
+            if now >= end or any(a.op.check() or now >= a.deadline for a in self._async.values()):
                 return
             time.sleep(0.0002)
 
@@ -404,7 +405,7 @@ class WorkerSide:
             return
         op, blocks, t0 = entry
         try:
-            status = op.wait(self.cfg.load_timeout_s)
+            status = wait_or_cancel(op, self.cfg.load_timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
             self._load_failed(blocks, f"{type(e).__name__}: {e}")
             return
@@ -565,7 +566,7 @@ class WorkerSide:
         seen: set[int] = set()
         for ops in self._dumps.values():
             for op in ops:
-                if id(op) in seen or op.waited or not (block or op.done()):
+                if id(op) in seen or op.waited or not (block or op.check()):
                     continue
                 seen.add(id(op))
                 status = op.wait()
@@ -608,7 +609,7 @@ class WorkerSide:
     def close(self) -> None:
         for a in self._async.values():  # nothing may write the KV cache after close
             try:
-                a.op.wait(0.0)
+                wait_or_cancel(a.op, 0.0)
             except Exception:  # noqa: BLE001 - closing anyway
                 pass
         self._async.clear()

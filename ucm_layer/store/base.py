@@ -20,7 +20,7 @@ Call order and meaning (every method is thread-safe):
   the copy starts only once ``after`` (a platform ``Event``) has completed. A shard that
   is already present is left untouched and reported ``OK`` (stores are put-if-absent).
 * ``check(task) -> bool``: whether ``task`` has finished (never blocks).
-* ``wait(task, timeout=None) -> (n,) BlockStatus``: block until ``task`` finishes and
+* ``wait(task, timeout=None) -> (n,) ItemStatus``: block until ``task`` finishes and
   return the status of each block. One consumer: a second ``wait`` on the same task is a
   ``ValueError``. On timeout the task is cancelled cleanly (blocks not finished are
   ``TIMEOUT``; a cancelled dump leaves nothing visible) and the statuses are returned;
@@ -50,6 +50,12 @@ at the call, before anything is queued; failures while moving bytes never raise 
 ``wait`` but show up as per-block statuses (``FAILED``); a backing service that does
 not answer makes ``lookup`` report a miss. Using a closed store is a ``ValueError``.
 
+Tasks are handles (:class:`kvfabric.status.Handle`) too: ``task.check()``,
+``task.wait(timeout)`` (a timeout raises ``TimeoutError`` and leaves the task waitable)
+and ``task.cancel()``.
+Statuses are :class:`kvfabric.status.ItemStatus` values (``BlockStatus`` is that enum;
+``kvfabric.status.BLOCK_STATUSES`` the ones a store reports).
+
 Integrity: every store that keeps bytes outside the caller seals each shard with its
 writer's checksum (``kvfabric.platform.checksum``) and, with the store's ``verify`` on,
 checks it before a load counts: a mismatch is ``CORRUPT`` for that block (a failure like
@@ -71,6 +77,7 @@ import numpy as np
 
 from kvfabric.platform.checksum import Verify
 from kvfabric.platform.stream import Event
+from kvfabric.status import ItemStatus, poll_until
 
 if TYPE_CHECKING:
     from kvfabric.platform.base import Platform
@@ -78,16 +85,13 @@ if TYPE_CHECKING:
 ID_BYTES = 16
 
 
-class BlockStatus(enum.IntEnum):
-    """Per-block outcome of a load or dump (the values are stable: they go in int8 arrays)."""
-
-    OK = 0
-    MISSING = 1  # load: the shard is not in this store
-    FAILED = 2  # I/O or transfer error, out of space, backing service gone
-    CANCELLED = 3
-    TIMEOUT = 4
-    PENDING = 5  # not finished (only seen through a task's live view, never from wait)
-    CORRUPT = 6  # load: the bytes do not match their writer's checksum (a failure, never a hit)
+#: per-block outcome of a load or dump: the one per-item vocabulary of kvfabric
+#: (``kvfabric.status``); a store reports ``OK``, ``MISSING`` (load: the shard is not in
+#: this store), ``FAILED`` (I/O or transfer error, out of space, backing service gone),
+#: ``CORRUPT`` (load: the bytes do not match their writer's checksum; a failure, never a
+#: hit), ``CANCELLED``, ``TIMEOUT``, and ``PENDING`` (not finished: only seen through a
+#: task's live view, never from ``wait``); ``kvfabric.status.BLOCK_STATUSES`` lists them
+BlockStatus = ItemStatus
 
 
 class TaskKind(enum.Enum):
@@ -219,10 +223,42 @@ class Index(Protocol):
 
 
 class Task(abc.ABC):
-    """A handle on one load or dump. Only the store that made it may be asked about it."""
+    """A handle on one load or dump. Only the store that made it (``store``) may be asked
+    about it.
+
+    A task is a :class:`kvfabric.status.Handle`: ``check()`` is ``store.check(task)``;
+    ``wait(timeout)`` returns ``store.wait(task)`` once the task finished, and if
+    ``timeout`` seconds pass first raises ``TimeoutError`` and leaves the task running
+    and waitable (the store API's ``store.wait(task, timeout)`` cancels instead: it is
+    ``kvfabric.status.wait_or_cancel(task, timeout)``); ``cancel()`` is
+    ``store.cancel(task)``. Single consumer, as for ``store.wait``."""
 
     kind: TaskKind
     num_blocks: int
+    #: the store that made this task
+    store: Store
+
+    def check(self) -> bool:
+        """Whether the task has finished (never blocks)."""
+        return self.store.check(self)
+
+    def wait_finished(self, timeout: float | None) -> bool:
+        """Block until the task finished or ``timeout`` passed; whether it finished. Does
+        not consume the task (the default polls ``check``)."""
+        return poll_until(self.check, timeout)
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """The ``(n,)`` statuses once the task finished; ``TimeoutError`` (task untouched)
+        if ``timeout`` seconds pass first."""
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        if not self.wait_finished(timeout):
+            raise TimeoutError(f"{self!r} not finished after {timeout} s")
+        return self.store.wait(self)
+
+    def cancel(self) -> None:
+        """``store.cancel(task)``: unfinished blocks become ``CANCELLED``; ``wait`` collects."""
+        self.store.cancel(self)
 
 
 class Store(abc.ABC):

@@ -22,8 +22,8 @@ import numpy as np
 from kvfabric.platform.base import Platform
 from kvfabric.platform.checksum import Verify
 from kvfabric.platform.stream import Event
+from kvfabric.status import BLOCK_STATUSES, ItemStatus, counts
 from kvfabric.ucm_layer.store.base import (
-    BlockStatus,
     Store,
     StoreLayout,
     Task,
@@ -77,7 +77,7 @@ class TaskStore(Store):
         self.layout = layout
         self._closed = False
         self._stats_lock = threading.Lock()
-        self._counts = {k: np.zeros(len(BlockStatus), np.int64) for k in TaskKind}
+        self._counts = {k: np.zeros(len(ItemStatus), np.int64) for k in TaskKind}
         self._live: weakref.WeakSet[StoreTask] = weakref.WeakSet()
         self._corrupt = 0
         self._corrupt_logged = False
@@ -114,7 +114,7 @@ class TaskStore(Store):
         deadline = time.monotonic() + (CLOSE_GRACE_S if timeout is None else timeout)
         for task in list(self._live):
             if not task.wait_finished(max(0.0, deadline - time.monotonic())):
-                task.cancel(BlockStatus.CANCELLED)
+                task.cancel(ItemStatus.CANCELLED)
 
     def set_verify(self, verify: Verify | str | bool) -> None:
         """Switch checksum verification of loads (for benchmarks and tests: between tasks; a
@@ -139,7 +139,7 @@ class TaskStore(Store):
             )
 
     def _count(self, task: StoreTask) -> None:
-        c = np.bincount(task.status.astype(np.int64), minlength=len(BlockStatus))[: len(BlockStatus)]
+        c = counts(task.status)
         with self._stats_lock:
             self._counts[task.kind] += c
 
@@ -172,15 +172,15 @@ class TaskStore(Store):
         return wait_task(self, task, timeout)
 
     def cancel(self, task: Task) -> None:
-        check_task(task, self).cancel(BlockStatus.CANCELLED)
+        check_task(task, self).cancel(ItemStatus.CANCELLED)
 
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {}
         with self._stats_lock:
-            for kind, counts in self._counts.items():
-                for st in BlockStatus:
-                    if st is not BlockStatus.PENDING:
-                        out[f"{kind.value}_{st.name.lower()}"] = int(counts[st])
+            for kind, tally in self._counts.items():
+                for st in BLOCK_STATUSES:
+                    if st is not ItemStatus.PENDING:
+                        out[f"{kind.value}_{st.name.lower()}"] = int(tally[st])
             out["corrupt_blocks"] = self._corrupt
         return out
 

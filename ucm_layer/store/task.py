@@ -16,6 +16,8 @@ and timeouts safe for the caller's memory:
   not finished read as the cancellation status (``CANCELLED`` or ``TIMEOUT``).
 * Children: a pipeline's task adopts the tasks it starts in lower stores; cancelling the
   parent cancels them first.
+* The task is a :class:`kvfabric.status.Handle` (``Task``'s ``check`` / ``wait`` /
+  ``cancel``), ``wait_finished`` waiting on the task's condition variable.
 
 Thread-safe throughout.
 """
@@ -29,19 +31,20 @@ from typing import Any
 
 import numpy as np
 
+from kvfabric.status import pending
 from kvfabric.ucm_layer.store.base import BlockStatus, Task, TaskKind
 
 _PENDING = int(BlockStatus.PENDING)
 
 
 class StoreTask(Task):
-    """One load or dump (see module docstring). ``owner`` is the store that made it."""
+    """One load or dump (see module docstring). ``store`` is the store that made it."""
 
-    def __init__(self, owner: object, kind: TaskKind, num_blocks: int, chunk: int = 1) -> None:
-        self.owner = owner
+    def __init__(self, store: Any, kind: TaskKind, num_blocks: int, chunk: int = 1) -> None:
+        self.store = store
         self.kind = kind
         self.num_blocks = int(num_blocks)
-        self.status = np.full(self.num_blocks, _PENDING, np.int8)
+        self.status = pending(self.num_blocks)
         self.chunk = max(1, int(chunk))
         self._cond = threading.Condition()
         self._guard = threading.RLock()
@@ -171,6 +174,7 @@ class StoreTask(Task):
         return self._done or self._released
 
     def wait_finished(self, timeout: float | None) -> bool:
+        """Block until ``finished()`` or ``timeout`` passed; whether it finished."""
         with self._cond:
             return self._cond.wait_for(self.finished, timeout)
 
@@ -195,7 +199,7 @@ class StoreTask(Task):
 
 def check_task(task: Any, store: object) -> StoreTask:
     """``task`` must be a :class:`StoreTask` made by ``store``."""
-    if not isinstance(task, StoreTask) or task.owner is not store:
+    if not isinstance(task, StoreTask) or task.store is not store:
         raise ValueError(f"{task!r} is not a task of this store ({store!r})")
     return task
 

@@ -9,8 +9,9 @@ ranks need, published in the member record); ``register_window(buffer)`` for eac
 this rank's windows; then any number of ``can_serve`` / ``submit`` from any thread;
 ``close()`` once at leave. ``submit`` may assume the group is valid (ranges inside their
 windows, sizes > 0); with ``sync=True`` the bytes are in place when it returns, else it
-returns a :class:`Completion` to poll. A failure raises ``TransferFailed`` naming the
-ranks and sizes (from ``submit`` or from ``Completion.wait``).
+returns a :class:`Completion`, a :class:`kvfabric.status.Handle` of one item (the group),
+to poll. A failure raises ``TransferFailed`` naming the ranks and sizes (from ``submit``
+or from ``Completion.wait``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
+
+from kvfabric.status import ItemStatus
 
 if TYPE_CHECKING:
     from kvfabric.platform.base import Platform
@@ -52,14 +55,25 @@ class GroupPlan:
         return int(self.nbytes.size)
 
 
+def ok_one() -> np.ndarray:
+    """The statuses of a finished group: one item, ``OK``."""
+    return np.full(1, ItemStatus.OK, np.int8)
+
+
 class Completion(abc.ABC):
-    """One submitted group; ``wait`` raises ``TransferFailed`` if its copy failed."""
+    """One submitted group: a :class:`kvfabric.status.Handle` of one item.
+
+    ``check()`` never blocks; ``wait(timeout)`` returns ``[OK]`` once the copy finished,
+    raises ``TransferFailed`` if it failed (the message names ranks and sizes, which the
+    ``XferHandle`` keeps) and ``TimeoutError`` if ``timeout`` expires first (the copy goes
+    on; the completion may be waited again). No ``cancel``: a copy cannot be recalled.
+    One consumer (the ``XferHandle``) waits."""
 
     @abc.abstractmethod
-    def done(self) -> bool: ...
+    def check(self) -> bool: ...
 
     @abc.abstractmethod
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> np.ndarray:
         """Block until done; ``TimeoutError`` if ``timeout`` expires first."""
 
 
@@ -68,11 +82,11 @@ class Done(Completion):
 
     __slots__ = ()
 
-    def done(self) -> bool:
+    def check(self) -> bool:
         return True
 
-    def wait(self, timeout: float | None = None) -> None:
-        return None
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        return ok_one()
 
 
 DONE = Done()

@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
+
 from kvfabric.errors import TransferFailed
 from kvfabric.platform.stream import Event
 from kvfabric.platform.types import CopyBatch, Span
-from kvfabric.pool.gva.transports.base import DONE, Completion, GroupPlan, Transport, TransportContext
+from kvfabric.pool.gva.transports.base import (
+    DONE,
+    Completion,
+    GroupPlan,
+    Transport,
+    TransportContext,
+    ok_one,
+)
 from kvfabric.pool.gva.view import View
 
 
@@ -29,17 +38,18 @@ class EventCompletion(Completion):
         self.what = what
         self._done = False
 
-    def done(self) -> bool:
+    def check(self) -> bool:
         if not self._done:
             self._done = self.event.query()
         return self._done
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> np.ndarray:
         try:
             self.event.synchronize(timeout)
         except TransferFailed as e:
             raise TransferFailed(f"{self.what} failed: {e}") from e
         self._done = True
+        return ok_one()
 
 
 class MappedTransport(Transport):

@@ -18,8 +18,10 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from kvfabric.errors import PlatformError, TransferFailed
-from kvfabric.pool.gva.transports.base import DONE, Completion
+from kvfabric.pool.gva.transports.base import DONE, Completion, ok_one
 
 
 class MooncakeCompletion(Completion):
@@ -34,16 +36,16 @@ class MooncakeCompletion(Completion):
         self._lock = threading.Lock()
         self.what = what
 
-    def done(self) -> bool:
+    def check(self) -> bool:
         with self._lock:
             if self._state == 0:
                 self._state = int(self._engine.transfer_check_status(self._bid))
             return self._state != 0
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> np.ndarray:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 1e-5
-        while not self.done():
+        while not self.check():
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"{self.what} still running after {timeout} s")
             time.sleep(pause)
@@ -51,6 +53,7 @@ class MooncakeCompletion(Completion):
         if self._state < 0:
             kind = "timed out" if self._state == -2 else "failed"
             raise TransferFailed(f"{self.what} {kind} in the Mooncake transfer engine (status {self._state})")
+        return ok_one()
 
 
 class MooncakeEngine:
