@@ -14,8 +14,21 @@ log = logging.getLogger("kvfabric.pool")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     pool = sub.add_parser("pool", help="the pool daemon: serve, status")
     psub = pool.add_subparsers(dest="pool_command", required=True)
-    serve = psub.add_parser("serve", help="run the pool daemon of this node (until SIGTERM)")
+    serve = psub.add_parser(
+        "serve",
+        help="run the pool daemon of this node (until SIGTERM)",
+        epilog=_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     serve.add_argument("--config", help="YAML file of pool settings (command-line flags win)")
+    serve.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any pool config key (below); repeatable; wins over --config, loses to the flags above",
+    )
     serve.add_argument("--name", help="pool name (names the socket and segments)")
     serve.add_argument("--dram", help="DRAM the daemon contributes, e.g. 4GiB (0: none)")
     serve.add_argument("--max-objects", dest="max_objects", help="directory capacity")
@@ -37,16 +50,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     status.set_defaults(fn=cmd_status)
 
 
+def _keys_help() -> str:
+    """The pool config keys, defaults and meanings (``kvfabric.settings.describe``)."""
+    from kvfabric.pool.config import PoolConfig
+    from kvfabric.settings import describe
+
+    rows = describe(PoolConfig)
+    width = max(len(k) for k, _, _ in rows)
+    return "pool config keys (--config YAML, --set KEY=VALUE):\n" + "\n".join(
+        f"  {k:<{width}}  {meaning} (default {default})" for k, default, meaning in rows
+    )
+
+
 def _config(args: argparse.Namespace):  # noqa: ANN202 - PoolConfig
     from kvfabric.pool.config import PoolConfig
+    from kvfabric.settings import load
 
     overrides = {
         k: getattr(args, k)
         for k in ("name", "dram", "max_objects", "socket", "tcp", "token", "http", "exit_when_idle_s")
     }
-    if args.config:
-        return PoolConfig.from_file(args.config, **overrides)
-    return PoolConfig.from_mapping({}, **overrides)
+    return load(PoolConfig, None, what="pool config", file=args.config, flags=args.settings, **overrides)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from kvfabric.envs import MC_TCP_BIND_ADDRESS
-from kvfabric.settings import coerce_fields, from_mapping
+from kvfabric.settings import coerce_fields, load, setting
 
 KNOWN_TRANSPORTS = ("mapped", "remote")
 
@@ -30,16 +30,12 @@ KNOWN_TRANSPORTS = ("mapped", "remote")
 class PairRule:
     """Transports allowed from ``src`` to ``dst`` (ranks; ``None`` matches any rank)."""
 
-    src: int | None
-    dst: int | None
-    transports: tuple[str, ...]
+    src: int | None = setting(doc="source rank (None: any)", lo=0)
+    dst: int | None = setting(doc="destination rank (None: any)", lo=0)
+    transports: tuple[str, ...] = setting(doc="allowed transports, in order", choices=KNOWN_TRANSPORTS)
 
     def __post_init__(self) -> None:
         coerce_fields(self, lambda key: f"PairRule.{key}")
-        for name in ("src", "dst"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"PairRule.{name} must be a rank >= 0 or None, got {v!r}")
         _check_transports(self.transports, "PairRule.transports")
 
     def matches(self, src: int, dst: int) -> bool:
@@ -47,11 +43,9 @@ class PairRule:
 
 
 def _check_transports(names: tuple[str, ...], what: str) -> None:
-    if not isinstance(names, tuple) or not names:
-        raise ValueError(f"{what} must be a non-empty tuple of transport names, got {names!r}")
-    for n in names:
-        if n not in KNOWN_TRANSPORTS:
-            raise ValueError(f"{what}: unknown transport {n!r}; known: {', '.join(KNOWN_TRANSPORTS)}")
+    """Not empty (the names themselves are checked by the field's ``choices``)."""
+    if not names:
+        raise ValueError(f"{what} must name at least one transport of {', '.join(KNOWN_TRANSPORTS)}")
 
 
 def default_node() -> str:
@@ -80,52 +74,45 @@ class GvaConfig:
     readable that long). ``extra``: backend-specific keys (e.g. ``mooncake_protocol``).
     """
 
-    namespace: str = "kvfabric/gva/default"
-    node: str = field(default_factory=default_node)
-    transports: tuple[str, ...] = ("mapped",)
-    pair_rules: tuple[PairRule, ...] = ()
-    alignment: int = 1
-    dram_stride: int = 0
-    hbm_stride: int = 0
-    remote_engine: str = "mooncake"
-    remote_host: str = field(default_factory=lambda: MC_TCP_BIND_ADDRESS.get() or "127.0.0.1")
-    copy_streams: int = 1
-    join_timeout: float = 30.0
-    heartbeat_ttl: float = 10.0  # etcd cannot ask a starved process whether it lives: roomy
-    unmap_grace: float = 5.0
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    namespace: str = setting("kvfabric/gva/default", doc="key prefix of the pool in the rendezvous store")
+    node: str = setting(
+        default_factory=default_node, doc="ranks with equal node ids map each other's windows"
+    )
+    transports: tuple[str, ...] = setting(
+        ("mapped",), doc="transports of pairs no rule matches, in order", choices=KNOWN_TRANSPORTS
+    )
+    pair_rules: tuple[PairRule, ...] = setting((), doc="per (source, destination) transport allow-lists")
+    alignment: int = setting(1, doc="offsets, addresses and sizes of copies: multiples of it", lo=1)
+    dram_stride: int = setting(0, doc="pinned DRAM stride (0: from the largest window)", lo=0)
+    hbm_stride: int = setting(0, doc="pinned HBM stride (0: from the largest window)", lo=0)
+    remote_engine: str = setting("mooncake", doc="the remote transport's engine")
+    remote_host: str = setting(
+        default_factory=lambda: MC_TCP_BIND_ADDRESS.get() or "127.0.0.1",
+        doc="the address the remote engine advertises",
+    )
+    copy_streams: int = setting(1, doc="streams a process copies on", lo=1)
+    join_timeout: float = setting(30.0, doc="seconds to wait for the rendezvous when joining", gt=0)
+    # etcd cannot ask a starved process whether it lives: roomy
+    heartbeat_ttl: float = setting(10.0, doc="seconds after which a silent rank is removed", gt=0)
+    unmap_grace: float = setting(5.0, doc="seconds a departed rank's window stays mapped here", lo=0)
+    extra: Mapping[str, Any] = setting(default_factory=dict, doc="backend-specific keys")
 
     def __post_init__(self) -> None:
         coerce_fields(self, lambda key: f"GvaConfig.{key}")
-        if not isinstance(self.namespace, str) or not self.namespace.strip("/"):
+        if not self.namespace.strip("/"):
             raise ValueError(f"GvaConfig.namespace must be a non-empty str, got {self.namespace!r}")
         object.__setattr__(self, "namespace", self.namespace.rstrip("/"))
-        if not isinstance(self.node, str) or not self.node:
+        if not self.node:
             raise ValueError(f"GvaConfig.node must be a non-empty str, got {self.node!r}")
-        object.__setattr__(self, "transports", tuple(self.transports))
         _check_transports(self.transports, "GvaConfig.transports")
-        object.__setattr__(self, "pair_rules", tuple(self.pair_rules))
-        for r in self.pair_rules:
-            if not isinstance(r, PairRule):
-                raise TypeError(f"GvaConfig.pair_rules holds PairRule objects, got {type(r).__name__}")
-        a = self.alignment
-        if isinstance(a, bool) or not isinstance(a, int) or a < 1 or a & (a - 1):
-            raise ValueError(f"GvaConfig.alignment must be a power of two >= 1, got {a!r}")
-        for name in ("dram_stride", "hbm_stride"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"GvaConfig.{name} must be an int >= 0, got {v!r}")
-        if self.copy_streams < 1:
-            raise ValueError(f"GvaConfig.copy_streams must be >= 1, got {self.copy_streams}")
-        for name in ("join_timeout", "heartbeat_ttl", "unmap_grace"):
-            if getattr(self, name) <= 0 if name != "unmap_grace" else getattr(self, name) < 0:
-                raise ValueError(f"GvaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.alignment & (self.alignment - 1):
+            raise ValueError(f"GvaConfig.alignment must be a power of two >= 1, got {self.alignment!r}")
         object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> GvaConfig:
         """A config from a mapping (a parsed YAML or JSON document); unknown keys refused."""
-        return from_mapping(cls, data, "GvaConfig")
+        return load(cls, data, what="GvaConfig")
 
     def allowed(self, src: int, dst: int) -> tuple[str, ...]:
         """The transports allowed, in order, from rank ``src`` to rank ``dst``."""

@@ -42,8 +42,13 @@ given inline override the file's):
 ``platform``           kvfabric platform name (default: detection)
 =====================  ====================================================================
 
-Validation happens at construction with errors naming the key; ``describe()`` is the
-effective configuration logged once per process.
+The keys are :class:`ConnectorConfig`'s fields in kvfabric's one configuration language
+(``kvfabric.settings``: type from the annotation, range and meaning from ``setting``), loaded
+by ``settings.load``: validation happens at construction with errors naming the key and
+value, an unknown key is refused with the known ones; ``sparse`` takes the names of the
+sparse registry (``kvfabric.ucm_layer.sparse.base.ALGORITHMS``, plugins included).
+``settings.describe(ConnectorConfig)`` lists keys, defaults and meanings;
+``ConnectorConfig.describe()`` is the effective configuration logged once per process.
 """
 
 from __future__ import annotations
@@ -52,12 +57,11 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from kvfabric.envs import KVFABRIC_CACHE_DIR, parse_size
-from kvfabric.settings import coerce_fields
+from kvfabric.envs import KVFABRIC_CACHE_DIR
+from kvfabric.settings import Expected, Size, coerce_fields, load, parse_auto_bool, read_yaml, setting
 
 log = logging.getLogger("kvfabric.connector")
 
@@ -67,55 +71,80 @@ POOL_PLACES = (AUTO, EMBEDDED)
 _log_lock = threading.Lock()
 
 
+def sparse_algorithms() -> tuple[str, ...]:
+    """The names of the sparse registry (``kvfabric.ucm_layer.sparse.base.ALGORITHMS``:
+    built-in, registered and plugin algorithms)."""
+    from kvfabric.ucm_layer.sparse.base import ALGORITHMS
+
+    return tuple(ALGORITHMS.names())
+
+
+def _as_sparse(v: Any) -> str | None:
+    """``false`` / ``true`` (``"gsa"``) / an algorithm name of the sparse registry."""
+    if (
+        v is None
+        or v is False
+        or (isinstance(v, str) and v.strip().lower() in ("", "0", "false", "off", "no"))
+    ):
+        return None
+    if v is True or (isinstance(v, str) and v.strip().lower() in ("1", "true", "on", "yes")):
+        return "gsa"
+    names = sparse_algorithms()
+    name = v.strip().lower() if isinstance(v, str) else None
+    if name not in names:
+        raise Expected(f"true/false or one of {', '.join(names)}")
+    return name
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Validated connector settings (see the module docstring for each key)."""
 
-    store: str = ""
-    pool_address: str | None = None
-    posix_path: str = ""
-    cache_bytes: int = 1 << 30
-    pool_bytes: int = 4 << 30
-    pool_idle_exit_s: float = 30.0
-    store_options: Mapping[str, Any] = field(default_factory=dict)
-    delegator: bool | None = None  # None: auto (see resolved())
-    staging_blocks: int = 128
-    layerwise: bool = False
-    sparse: str | None = None
-    load_timeout_s: float = 60.0
-    async_load: bool | None = None  # None: auto (see resolved())
-    pd_wait_s: float = 30.0
-    otlp_endpoint: str | None = None
-    platform: str | None = None
-    config_file: str | None = None
+    store: str = setting("", doc="store pipeline, e.g. 'cache|pool' or 'cache|posix'")
+    pool_address: str | None = setting(None, doc="pool daemon socket path, host:port, 'auto' or 'embedded'")
+    posix_path: str = setting("", doc="directory of the posix store (default: <KVFABRIC_CACHE_DIR>/kv)")
+    cache_bytes: Size = setting(1 << 30, doc="capacity of the cache tier")
+    pool_bytes: Size = setting(4 << 30, doc="capacity of an embedded or auto-started pool")
+    pool_idle_exit_s: float = setting(
+        30.0, doc="an auto-started daemon exits this long after its last client", lo=0
+    )
+    store_options: Mapping[str, Any] = setting(
+        default_factory=dict, doc="mapping passed verbatim to the stores"
+    )
+    delegator: bool | None = setting(
+        None, doc="gather a block's pieces into one transfer (None: auto)", parse=parse_auto_bool
+    )
+    staging_blocks: int = setting(128, doc="Delegator staging slots, in blocks", lo=1)
+    layerwise: bool = setting(False, doc="load and dump layer by layer")
+    sparse: str | None = setting(
+        None, doc="a sparse decode-attention algorithm (true: gsa)", parse=_as_sparse
+    )
+    load_timeout_s: float = setting(60.0, doc="a load not finished by then is a failed load", gt=0)
+    async_load: bool | None = setting(
+        None, doc="load a request's prefix off the forward's thread (None: auto)", parse=parse_auto_bool
+    )
+    pd_wait_s: float = setting(30.0, doc="P/D consumer: how long to wait for announced blocks", lo=0)
+    otlp_endpoint: str | None = setting(None, doc="OpenTelemetry collector URL")
+    platform: str | None = setting(None, doc="kvfabric platform name (default: detection)")
+    config_file: str | None = setting(None, doc="YAML file of these keys (inline keys win)")
 
     def __post_init__(self) -> None:
-        coerce_fields(self, lambda key: f"kvfabric config {key!r}")  # types, from the annotations
-        if not isinstance(self.store, str) or not self.store.strip():
+        coerce_fields(self, lambda key: f"kvfabric config {key!r}")  # types, ranges, from the settings
+        if not self.store.strip():
             raise ValueError("kvfabric config 'store' must be a pipeline like 'cache|posix'")
         names = [s.strip() for s in self.store.split("|")]
         if any(not n or not n.replace("_", "").isalnum() for n in names):
             raise ValueError(f"kvfabric config 'store' {self.store!r} is not a pipeline like 'cache|posix'")
         object.__setattr__(self, "store", "|".join(names))
         if self.pool_address is not None and not (
-            str(self.pool_address).startswith("/") or self.pool_address in POOL_PLACES
+            self.pool_address.startswith("/") or self.pool_address in POOL_PLACES
         ):
-            host, sep, port = str(self.pool_address).rpartition(":")
+            host, sep, port = self.pool_address.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(
                     "kvfabric config 'pool_address' must be a socket path ('/...'), 'host:port', "
                     f"'auto' or 'embedded', got {self.pool_address!r}"
                 )
-        if self.pool_idle_exit_s < 0:
-            raise ValueError(f"kvfabric config 'pool_idle_exit_s' must be >= 0, got {self.pool_idle_exit_s}")
-        if self.staging_blocks < 1:
-            raise ValueError(f"kvfabric config 'staging_blocks' must be >= 1, got {self.staging_blocks}")
-        if self.load_timeout_s <= 0:
-            raise ValueError(f"kvfabric config 'load_timeout_s' must be > 0, got {self.load_timeout_s}")
-        if self.pd_wait_s < 0:
-            raise ValueError(f"kvfabric config 'pd_wait_s' must be >= 0, got {self.pd_wait_s}")
-        if not isinstance(self.store_options, Mapping):
-            raise TypeError("kvfabric config 'store_options' must be a mapping")
 
     def resolved(self, kv_on_host: bool) -> ConnectorConfig:
         """This config with ``delegator`` and ``async_load`` decided: the Delegator's
@@ -161,118 +190,13 @@ class ConnectorConfig:
         log.info("kvfabric connector (%s) effective config: %s", role, text)
 
 
-_BOOL = {
-    "true": True,
-    "1": True,
-    "yes": True,
-    "on": True,
-    "false": False,
-    "0": False,
-    "no": False,
-    "off": False,
-}
-
-
-def _as_bool(key: str, v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.strip().lower() in _BOOL:
-        return _BOOL[v.strip().lower()]
-    if isinstance(v, int) and v in (0, 1):
-        return bool(v)
-    raise ValueError(f"kvfabric config {key!r} must be a boolean, got {v!r}")
-
-
-def _as_auto_bool(key: str, v: Any) -> bool | None:
-    """A boolean, or ``None`` for ``"auto"`` (decided later from the engine)."""
-    if v is None or (isinstance(v, str) and v.strip().lower() == "auto"):
-        return None
-    try:
-        return _as_bool(key, v)
-    except ValueError:
-        raise ValueError(f"kvfabric config {key!r} must be a boolean or 'auto', got {v!r}") from None
-
-
-def _as_int(key: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, str)):
-        raise ValueError(f"kvfabric config {key!r} must be an integer, got {v!r}")
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"kvfabric config {key!r} must be an integer, got {v!r}") from None
-
-
-def _as_size(key: str, v: Any) -> int:
-    try:
-        return parse_size(v)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"kvfabric config {key!r}: {e}") from e
-
-
-def _as_float(key: str, v: Any) -> float:
-    if isinstance(v, bool):
-        raise ValueError(f"kvfabric config {key!r} must be a number, got {v!r}")
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"kvfabric config {key!r} must be a number, got {v!r}") from None
-
-
-SPARSE_ALGORITHMS = ("gsa", "quest", "meankey", "hata", "oracle", "dense")
-
-
-def _as_sparse(key: str, v: Any) -> str | None:
-    """``false`` / ``true`` / an algorithm name (the sparse registry's built-in names)."""
-    if (
-        v is None
-        or v is False
-        or (isinstance(v, str) and v.strip().lower() in ("", "0", "false", "off", "no"))
-    ):
-        return None
-    if v is True or (isinstance(v, str) and v.strip().lower() in ("1", "true", "on", "yes")):
-        return "gsa"
-    name = str(v).strip().lower()
-    if name not in SPARSE_ALGORITHMS:
-        raise ValueError(
-            f"kvfabric config {key!r} must be true/false or one of {', '.join(SPARSE_ALGORITHMS)}, got {v!r}"
-        )
-    return name
-
-
-_PARSERS = {
-    "delegator": _as_auto_bool,
-    "async_load": _as_auto_bool,
-    "pd_wait_s": _as_float,
-    "layerwise": _as_bool,
-    "sparse": _as_sparse,
-    "staging_blocks": _as_int,
-    "cache_bytes": _as_size,
-    "pool_bytes": _as_size,
-    "load_timeout_s": _as_float,
-    "pool_idle_exit_s": _as_float,
-}
-
-
 def _read_yaml(path: str) -> dict[str, Any]:
-    import yaml
-
-    p = Path(path).expanduser()
-    try:
-        data = yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise ValueError(f"kvfabric config_file {str(p)!r} cannot be read: {e}") from e
-    except yaml.YAMLError as e:
-        raise ValueError(f"kvfabric config_file {str(p)!r} is not valid YAML: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"kvfabric config_file {str(p)!r} must hold a mapping of keys, got {type(data).__name__}"
-        )
+    """The keys of a ``config_file``: the whole file, or its ``kvfabric:`` section."""
+    data = read_yaml(path, "kvfabric config_file")
     if "kvfabric" in data and isinstance(data["kvfabric"], dict):
         data = data["kvfabric"]
     if "config_file" in data:
-        raise ValueError(f"kvfabric config_file {str(p)!r} may not name another config_file")
+        raise ValueError(f"kvfabric config_file {path!r} may not name another config_file")
     return data
 
 
@@ -292,19 +216,9 @@ def load_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     if file:
         merged.update(_read_yaml(str(file)))
     merged.update(inline)
-    known = {f.name for f in fields(ConnectorConfig)}
-    unknown = sorted(set(merged) - known)
-    if unknown:
-        raise ValueError(f"unknown kvfabric config key(s) {unknown}; known keys: {sorted(known)}")
-    kwargs: dict[str, Any] = {}
-    for k, v in merged.items():
-        kwargs[k] = _PARSERS[k](k, v) if k in _PARSERS else v
-    kwargs.setdefault("store", default_store())
-    if not kwargs.get("posix_path"):
-        kwargs["posix_path"] = os.path.join(KVFABRIC_CACHE_DIR.get(), "kv")
-    if not kwargs.get("otlp_endpoint"):
-        kwargs["otlp_endpoint"] = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
-    try:
-        return ConnectorConfig(**kwargs)
-    except TypeError as e:
-        raise ValueError(f"bad kvfabric config: {e}") from e
+    merged.setdefault("store", default_store())
+    if not merged.get("posix_path"):
+        merged["posix_path"] = os.path.join(KVFABRIC_CACHE_DIR.get(), "kv")
+    if not merged.get("otlp_endpoint"):
+        merged["otlp_endpoint"] = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+    return load(ConnectorConfig, merged, what="kvfabric config")

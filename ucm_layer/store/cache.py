@@ -40,10 +40,11 @@ from kvfabric.platform.base import Platform
 from kvfabric.platform.checksum import Verify, digest_range
 from kvfabric.platform.stream import Stream
 from kvfabric.platform.types import Medium
+from kvfabric.settings import Size, setting
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.cache_index import Claim, Claims, SlotTable, keys_of
 from kvfabric.ucm_layer.store.common import Request, TaskStore
-from kvfabric.ucm_layer.store.config import REQUIRED, Key, as_bool, as_int, as_size, as_verify, parse_keys
+from kvfabric.ucm_layer.store.config import StoreConfig
 from kvfabric.ucm_layer.store.task import StoreTask
 from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, copy_pieces, dump_may_start, slot_pieces
 
@@ -52,26 +53,16 @@ SETTLE_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(StoreConfig):
     """Configuration of the cache store (keys ``cache.*``; see docs/stores.md)."""
 
-    capacity: int
-    shared: bool = False
-    workers: int = 2
-    prefault: bool = False
-    verify: Verify = Verify.ON
+    PREFIX: ClassVar[str] = "cache"
 
-    KEYS: ClassVar[tuple[Key, ...]] = (
-        Key("capacity", as_size, REQUIRED, "bytes of host memory for slots, e.g. 4GiB"),
-        Key("shared", as_bool, False, "put the slots in shared memory (KVFABRIC_SHM_DIR)"),
-        Key("workers", as_int(1, 64), 2, "threads that run the cache's copies"),
-        Key("prefault", as_bool, False, "touch every page at start (no page faults later)"),
-        Key("verify", as_verify, Verify.ON, "loads check each slot's checksum (on / off)"),
-    )
-
-    @classmethod
-    def from_mapping(cls, config: Mapping[str, Any]) -> CacheConfig:
-        return cls(**parse_keys("cache", cls.KEYS, config))
+    capacity: Size = setting(doc="bytes of host memory for slots, e.g. 4GiB")
+    shared: bool = setting(False, doc="put the slots in shared memory (KVFABRIC_SHM_DIR)")
+    workers: int = setting(2, doc="threads that run the cache's copies", lo=1, hi=64)
+    prefault: bool = setting(False, doc="touch every page at start (no page faults later)")
+    verify: Verify = setting(Verify.ON, doc="loads check each slot's checksum (on / off)")
 
 
 def _mem_available() -> int | None:

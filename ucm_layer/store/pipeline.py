@@ -28,19 +28,19 @@ The pipeline owns its two tiers and closes them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
 from kvfabric.errors import KVFabricError
 from kvfabric.platform.checksum import Verify
+from kvfabric.settings import setting
 from kvfabric.ucm_layer.store.base import BlockStatus, Store, Task, TaskKind
 from kvfabric.ucm_layer.store.cache import CacheStore
 from kvfabric.ucm_layer.store.cache_index import Claim, Claims
 from kvfabric.ucm_layer.store.common import Request, TaskStore
-from kvfabric.ucm_layer.store.config import Key, as_bool, as_choice, as_int, parse_keys
+from kvfabric.ucm_layer.store.config import StoreConfig
 from kvfabric.ucm_layer.store.task import StoreTask
 from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, dump_may_start
 
@@ -49,24 +49,18 @@ OK = BlockStatus.OK
 
 
 @dataclass(frozen=True)
-class PipelineConfig:
+class PipelineConfig(StoreConfig):
     """Configuration of a pipeline (keys ``pipeline.*``; see docs/stores.md)."""
 
-    write: str = "through"
-    promote: bool = True
-    workers: int = 4
+    PREFIX: ClassVar[str] = "pipeline"
 
-    KEYS: ClassVar[tuple[Key, ...]] = (
-        Key(
-            "write", as_choice("through", "behind"), "through", "dumps complete when the lower store has them"
-        ),
-        Key("promote", as_bool, True, "loads that miss the cache fill it from the lower store"),
-        Key("workers", as_int(1, 256), 4, "threads running pipeline tasks (each waits on the lower store)"),
+    write: str = setting(
+        "through", doc="dumps complete when the lower store has them", choices=("through", "behind")
     )
-
-    @classmethod
-    def from_mapping(cls, config: Mapping[str, Any]) -> PipelineConfig:
-        return cls(**parse_keys("pipeline", cls.KEYS, config))
+    promote: bool = setting(True, doc="loads that miss the cache fill it from the lower store")
+    workers: int = setting(
+        4, doc="threads running pipeline tasks (each waits on the lower store)", lo=1, hi=256
+    )
 
 
 def _by_slot(lead_slots: np.ndarray, lead_values: np.ndarray, row_slots: np.ndarray) -> np.ndarray:

@@ -33,9 +33,10 @@ import numpy as np
 from kvfabric.errors import KVFabricError, ServiceUnavailable
 from kvfabric.platform.base import Platform
 from kvfabric.platform.checksum import Verify
+from kvfabric.settings import Size, setting
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.common import Request, TaskStore
-from kvfabric.ucm_layer.store.config import Key, as_float, as_int, as_size, as_verify, parse_keys
+from kvfabric.ucm_layer.store.config import StoreConfig, as_verify
 from kvfabric.ucm_layer.store.task import StoreTask
 from kvfabric.ucm_layer.store.workers import WorkerContext, Workers, dump_may_start
 
@@ -50,50 +51,32 @@ def _as_verify_or_unset(v: Any) -> str:
     return "" if v is None or (isinstance(v, str) and not v.strip()) else as_verify(v).value
 
 
-def _as_str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {type(v).__name__}")
-    return v.strip()
-
-
 @dataclass(frozen=True)
-class PoolStoreConfig:
+class PoolStoreConfig(StoreConfig):
     """Configuration of the pool store (keys ``pool.*``; see docs/stores.md)."""
 
-    socket: str = ""
-    tcp: str = ""
-    token: str = ""
-    name: str = "default"
-    prefix: str = "kv"
-    window: int = 0
-    embedded_dram: int = 1 << 30
-    workers: int = 2
-    chunk: int = 64
-    timeout: float = 1.0
-    verify: str = ""
+    PREFIX: ClassVar[str] = "pool"
 
-    KEYS: ClassVar[tuple[Key, ...]] = (
-        Key("socket", _as_str, "", "Unix socket of a pool daemon ('' with no tcp: an embedded pool)"),
-        Key("tcp", _as_str, "", "HOST:PORT of a pool daemon on another node"),
-        Key("token", _as_str, "", "shared secret of the daemon's TCP endpoint"),
-        Key("name", _as_str, "default", "pool name (its default socket, and the embedded pool's name)"),
-        Key("prefix", _as_str, "kv", "key prefix of this store's objects in the pool"),
-        Key("window", as_size, 0, "bytes this process contributes to the pool as a rank (0: none)"),
-        Key("embedded_dram", as_size, 1 << 30, "size of the embedded pool when no daemon is named"),
-        Key("workers", as_int(1, 64), 2, "threads that run the store's transfers"),
-        Key("chunk", as_int(1, 1 << 20), 64, "blocks per pool batch call"),
-        Key("timeout", as_float(0.01), 1.0, "seconds before an unanswered pool call is a failure"),
-        Key("verify", _as_verify_or_unset, "", "reads check objects' checksums: on / off ('': the daemon's)"),
+    socket: str = setting("", doc="Unix socket of a pool daemon ('' with no tcp: an embedded pool)")
+    tcp: str = setting("", doc="HOST:PORT of a pool daemon on another node")
+    token: str = setting("", doc="shared secret of the daemon's TCP endpoint")
+    name: str = setting("default", doc="pool name (its default socket, and the embedded pool's name)")
+    prefix: str = setting("kv", doc="key prefix of this store's objects in the pool")
+    window: Size = setting(0, doc="bytes this process contributes to the pool as a rank (0: none)")
+    embedded_dram: Size = setting(1 << 30, doc="size of the embedded pool when no daemon is named")
+    workers: int = setting(2, doc="threads that run the store's transfers", lo=1, hi=64)
+    chunk: int = setting(64, doc="blocks per pool batch call", lo=1, hi=1 << 20)
+    timeout: float = setting(1.0, doc="seconds before an unanswered pool call is a failure", lo=0.01)
+    verify: str = setting(
+        "", doc="reads check objects' checksums: on / off ('': the daemon's)", parse=_as_verify_or_unset
     )
 
-    @classmethod
-    def from_mapping(cls, config: Mapping[str, Any]) -> PoolStoreConfig:
-        values = parse_keys("pool", cls.KEYS, config)
-        if not values["prefix"] or "/" in values["prefix"]:
-            raise ValueError(
-                f"config key pool.prefix must be non-empty without '/', got {values['prefix']!r}"
-            )
-        return cls(**values)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("socket", "tcp", "token", "name", "prefix"):
+            object.__setattr__(self, key, getattr(self, key).strip())
+        if not self.prefix or "/" in self.prefix:
+            raise ValueError(f"config key pool.prefix must be non-empty without '/', got {self.prefix!r}")
 
     def connect(self, platform: Platform, **client_kwargs: Any) -> Any:
         """A client of the daemon this config names (``pool.socket`` or ``pool.tcp``)."""

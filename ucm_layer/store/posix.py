@@ -35,19 +35,10 @@ from kvfabric.errors import KVFabricError
 from kvfabric.platform.base import Platform
 from kvfabric.platform.checksum import Verify, digest_range, digest_views
 from kvfabric.platform.types import Medium
+from kvfabric.settings import Size, setting
 from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout, TaskKind
 from kvfabric.ucm_layer.store.common import Request, TaskStore
-from kvfabric.ucm_layer.store.config import (
-    REQUIRED,
-    Key,
-    as_bool,
-    as_float,
-    as_int,
-    as_paths,
-    as_size,
-    as_verify,
-    parse_keys,
-)
+from kvfabric.ucm_layer.store.config import StoreConfig, as_paths
 from kvfabric.ucm_layer.store.host_views import host_view
 from kvfabric.ucm_layer.store.posix_files import (
     ALIGN,
@@ -69,48 +60,30 @@ OK, MISSING, FAILED, CORRUPT = BlockStatus.OK, BlockStatus.MISSING, BlockStatus.
 
 
 @dataclass(frozen=True)
-class PosixConfig:
+class PosixConfig(StoreConfig):
     """Configuration of the posix store (keys ``posix.*``; see docs/stores.md)."""
 
-    dirs: tuple[str, ...]
-    capacity: int = 0
-    gc_high: float = 0.95
-    gc_low: float = 0.85
-    gc_interval: float = 30.0
-    tmp_ttl: float = 3600.0
-    direct: bool = False
-    fsync: bool = False
-    touch: bool = True
-    io_threads: int = 4
-    chunk: int = 16 << 20
-    verify: Verify = Verify.ON
+    PREFIX: ClassVar[str] = "posix"
 
-    KEYS: ClassVar[tuple[Key, ...]] = (
-        Key(
-            "dirs", as_paths, REQUIRED, "backend directories (list, or comma-separated); blocks spread by id"
-        ),
-        Key("capacity", as_size, 0, "bytes of block files kept; 0 = no limit (GC removes the coldest)"),
-        Key("gc_high", as_float(0.01, 1.0), 0.95, "GC starts above this fraction of capacity"),
-        Key("gc_low", as_float(0.0, 1.0), 0.85, "GC removes the coldest blocks down to this fraction"),
-        Key("gc_interval", as_float(0.01), 30.0, "seconds between usage scans (when capacity is set)"),
-        Key("tmp_ttl", as_float(0.0), 3600.0, "seconds after which abandoned temporary files go"),
-        Key("direct", as_bool, False, "O_DIRECT when the shard size is a multiple of 4096"),
-        Key("fsync", as_bool, False, "fsync each file before it becomes visible (power-loss safety)"),
-        Key("touch", as_bool, True, "loads refresh the file's mtime (the GC hotness clock)"),
-        Key("io_threads", as_int(1, 256), 4, "worker threads doing file I/O"),
-        Key("chunk", as_size, 16 << 20, "bytes of blocks one worker moves per batched copy"),
-        Key("verify", as_verify, Verify.ON, "loads check each shard's checksum (on / off)"),
+    dirs: tuple[str, ...] = setting(
+        doc="backend directories (list, or comma-separated); blocks spread by id", parse=as_paths
     )
+    capacity: Size = setting(0, doc="bytes of block files kept; 0 = no limit (GC removes the coldest)")
+    gc_high: float = setting(0.95, doc="GC starts above this fraction of capacity", lo=0.01, hi=1.0)
+    gc_low: float = setting(0.85, doc="GC removes the coldest blocks down to this fraction", lo=0.0, hi=1.0)
+    gc_interval: float = setting(30.0, doc="seconds between usage scans (when capacity is set)", lo=0.01)
+    tmp_ttl: float = setting(3600.0, doc="seconds after which abandoned temporary files go", lo=0.0)
+    direct: bool = setting(False, doc="O_DIRECT when the shard size is a multiple of 4096")
+    fsync: bool = setting(False, doc="fsync each file before it becomes visible (power-loss safety)")
+    touch: bool = setting(True, doc="loads refresh the file's mtime (the GC hotness clock)")
+    io_threads: int = setting(4, doc="worker threads doing file I/O", lo=1, hi=256)
+    chunk: Size = setting(16 << 20, doc="bytes of blocks one worker moves per batched copy")
+    verify: Verify = setting(Verify.ON, doc="loads check each shard's checksum (on / off)")
 
     def __post_init__(self) -> None:
-        if not self.dirs:
-            raise ValueError("posix.dirs is required: the directories that hold block files")
+        super().__post_init__()
         if self.gc_low >= self.gc_high:
             raise ValueError(f"posix.gc_low ({self.gc_low}) must be below posix.gc_high ({self.gc_high})")
-
-    @classmethod
-    def from_mapping(cls, config: Mapping[str, Any]) -> PosixConfig:
-        return cls(**parse_keys("posix", cls.KEYS, config))
 
 
 class PosixStore(TaskStore):

@@ -14,7 +14,8 @@ from another process (a ``cache`` alone, an embedded pool).
 
 Adding a store: an entry in ``STORES`` here (a :class:`kvfabric.registry.Registry`), an
 installed plugin (the ``kvfabric.stores`` entry-point group; its index, if any, in
-``kvfabric.store_indexs``... no: in ``kvfabric.store_indexes``), or :func:`register` from outside. Its class
+``kvfabric.store_indexes``), or :func:`register` from outside. Its configuration is a
+``store.config.StoreConfig`` (the one configuration language, ``kvfabric.settings``). Its class
 implements the contract (``base.py``), takes ``(config_mapping, platform=, layout=)``
 through ``from_config`` and returns :class:`~kvfabric.ucm_layer.store.task.StoreTask`
 tasks (pipelines cancel them).
@@ -129,6 +130,20 @@ def check_keys(spec: str, tiers: tuple[str, ...], config: Mapping[str, Any]) -> 
         raise ValueError(f"unknown config key {key!r}: no store {prefix!r} (stores of {spec!r}: {names})")
 
 
+def checked_spec(spec: str | None, config: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """The spec (``spec``, else ``config["store"]``; the two must agree) and its tiers, with
+    every key of ``config`` checked to belong to one of them (:func:`check_keys`)."""
+    if spec is None:
+        spec = config.get(SPEC_KEY)
+        if spec is None:
+            raise ValueError(f"no store spec: pass spec= or set config key {SPEC_KEY!r} (e.g. 'cache|posix')")
+    elif SPEC_KEY in config and config[SPEC_KEY] != spec:
+        raise ValueError(f"store spec {spec!r} disagrees with config key {SPEC_KEY}={config[SPEC_KEY]!r}")
+    tiers = parse_spec(spec)
+    check_keys(spec, tiers, config)
+    return spec, tiers
+
+
 def create(
     spec: str | None = None,
     config: Mapping[str, Any] | None = None,
@@ -141,14 +156,7 @@ def create(
     ``platform`` defaults to the process-wide one; every tier shares it. The caller owns
     the returned store and closes it (a pipeline closes its tiers)."""
     cfg = dict(config or {})
-    if spec is None:
-        spec = cfg.get(SPEC_KEY)
-        if spec is None:
-            raise ValueError(f"no store spec: pass spec= or set config key {SPEC_KEY!r} (e.g. 'cache|posix')")
-    elif SPEC_KEY in cfg and cfg[SPEC_KEY] != spec:
-        raise ValueError(f"store spec {spec!r} disagrees with config key {SPEC_KEY}={cfg[SPEC_KEY]!r}")
-    tiers = parse_spec(spec)
-    check_keys(spec, tiers, cfg)
+    spec, tiers = checked_spec(spec, cfg)
     if platform is None:
         from kvfabric.platform.registry import default
 
@@ -198,11 +206,7 @@ def create_index(
     from kvfabric.ucm_layer.store.index import UnsharedStore
 
     cfg = dict(config or {})
-    spec = spec if spec is not None else cfg.get(SPEC_KEY)
-    if spec is None:
-        raise ValueError(f"no store spec: pass spec= or set config key {SPEC_KEY!r} (e.g. 'cache|posix')")
-    tiers = parse_spec(spec)
-    check_keys(spec, tiers, cfg)
+    spec, tiers = checked_spec(spec, cfg)
     why = unshared_reason(spec, cfg)
     if why:
         raise UnsharedStore(why)
