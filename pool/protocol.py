@@ -5,11 +5,13 @@ reply carries parallel per-key lists, so a batch of any size is one round trip. 
 always carry the service ``epoch``: a client that sees it change knows the service
 restarted and re-registers the objects its ranks own.
 
-Fields carry their wire-level bounds (keys of 1..256 bytes, sizes > 0, ids and addresses
-in uint64, at most ``MAX_BATCH`` items a list): a frame that breaks one is refused by the
-decoder with the path of the bad field (``Expected `int` >= 1, got -1 - at `$.sizes[3]` ``).
-The dispatcher checks the rest (UTF-8 keys, matching list lengths, ranks and addresses
-inside the pool's windows) for every caller, in-process ones included.
+Keys are binary: any bytes, 1..256 of them (``keys.py``; a client's ``str`` keys travel
+as their UTF-8, its ``KeyBatch`` keys as the batch's bytes, the same msgpack ``bin`` list).
+Fields carry their wire-level bounds (key lengths, sizes > 0, ids and addresses in uint64,
+at most ``MAX_BATCH`` items a list): a frame that breaks one is refused by the decoder
+with the path of the bad field (``Expected `int` >= 1, got -1 - at `$.sizes[3]` ``). The
+dispatcher checks the rest (key types and lengths again, matching list lengths, ranks and
+addresses inside the pool's windows) for every caller, in-process ones included.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Info(msgspec.Struct, tag="info", frozen=True):
 
 
 class Alloc(msgspec.Struct, tag="alloc", frozen=True):
+    """Space for ``keys`` (``sizes`` bytes each) under a write lease of ``client``."""
+
     client: ClientId
     keys: Keys
     sizes: Sizes
@@ -88,6 +92,8 @@ class RemoveAll(msgspec.Struct, tag="remove_all", frozen=True):
 
 
 class Reregister(msgspec.Struct, tag="reregister", frozen=True):
+    """Objects a client's own window holds, told again to a restarted service."""
+
     keys: Keys
     gvas: U64s
     sizes: Sizes

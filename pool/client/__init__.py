@@ -14,6 +14,7 @@ config, table, windows), ``kvfabric.pool.gva`` and ``kvfabric.platform``; never
 """
 
 from kvfabric.pool.client.api import PoolClient
-from kvfabric.pool.client.session import Session, gva_config
+from kvfabric.pool.client.session import ClientOptions, Session, gva_config
+from kvfabric.pool.keys import KeyBatch
 
-__all__ = ["PoolClient", "Session", "gva_config"]
+__all__ = ["ClientOptions", "KeyBatch", "PoolClient", "Session", "gva_config"]

@@ -10,6 +10,10 @@ meanwhile is a miss or a retry, never wrong bytes (``reads.py``); writes are in
 ``writes.py``; both work over the client's ``Session`` (``session.py``: the RPCs, the
 fabric rank, the mapped table, catching up with a restarted service).
 
+Keys: a ``str`` (its UTF-8 bytes) or ``bytes`` (binary), 1 to 256 bytes (``keys.py``);
+batch calls take a list of them or a :class:`~kvfabric.pool.keys.KeyBatch` (keys of one
+width as a uint8 matrix, checked once for the whole batch and sent with no per-key work).
+
 Buffers: zero-copy calls take addresses of memory the client's platform knows
 (``register_buffer`` for caller memory, or buffers from ``platform.alloc`` / ``wrap``);
 the bytes API (``put`` / ``get``) stages through Python bytes.
@@ -47,9 +51,9 @@ from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
 from kvfabric.pool.client.reads import Reader
 from kvfabric.pool.client.rpc import Transport
-from kvfabric.pool.client.session import Session
+from kvfabric.pool.client.session import ClientOptions, Session
 from kvfabric.pool.client.writes import Writer, u64
-from kvfabric.pool.keys import check_int, encode_key, encode_keys
+from kvfabric.pool.keys import Keys, check_int, encode_key, encode_keys, key_text
 from kvfabric.pool.status import Status
 from kvfabric.pool.table import TableView
 
@@ -69,16 +73,8 @@ class PoolClient:
         client_id: str | None = None,
         verify: Verify | str | bool | None = None,
     ) -> None:
-        self.session = Session(
-            transport,
-            platform,
-            window_bytes=window_bytes,
-            window_medium=window_medium,
-            metadata_only=metadata_only,
-            local_reads=local_reads,
-            client_id=client_id,
-            verify=verify,
-        )
+        options = ClientOptions(window_bytes, window_medium, metadata_only, local_reads, client_id, verify)
+        self.session = Session(transport, platform, options)
         self.writer = Writer(self.session)
         self.reader = Reader(self.session)
 
@@ -118,19 +114,19 @@ class PoolClient:
         return self.session.in_own_window(gva)
 
     # ------------------------------------------------------------------ metadata
-    def exists(self, key: str) -> bool:
+    def exists(self, key: str | bytes) -> bool:
         return bool(self.batch_exists([key])[0])
 
-    def batch_exists(self, keys: Sequence[str]) -> np.ndarray:
+    def batch_exists(self, keys: Keys) -> np.ndarray:
         kb = encode_keys(keys)
         if self.table is not None:
             return self.session.read(self.reader.exists_local, kb)
         return np.array(self.session.call(p.Exists(kb)).flags, dtype=bool)
 
-    def remove(self, key: str) -> bool:
+    def remove(self, key: str | bytes) -> bool:
         return self.batch_remove([key])[0] == Status.OK
 
-    def batch_remove(self, keys: Sequence[str]) -> np.ndarray:
+    def batch_remove(self, keys: Keys) -> np.ndarray:
         kb = encode_keys(keys)
         st = np.array(self.session.call(p.Remove(kb)).status, np.int8)
         self.session.owned.forget(kb)
@@ -158,7 +154,7 @@ class PoolClient:
     # ------------------------------------------------------------------ writes
     def batch_alloc(
         self,
-        keys: Sequence[str],
+        keys: Keys,
         sizes: Sequence[int],
         preferred_rank: int | None = None,
         medium: Medium | None = None,
@@ -166,66 +162,68 @@ class PoolClient:
         """Space for each key: ``(status, gva)``. Write pieces at ``gva + offset`` with
         :meth:`write`, then :meth:`batch_commit`; space not committed within the write
         lease is reclaimed."""
-        return self.writer.batch_alloc(keys, sizes, preferred_rank, medium)
+        return self.writer.alloc(encode_keys(keys), sizes, preferred_rank, medium)
 
     def write(self, gvas: Any, ptrs: Any, sizes: Any) -> None:
         """Copy caller pieces ``ptrs[i]`` (``sizes[i]`` bytes) to ``gvas[i]``."""
         self.writer.write(gvas, ptrs, sizes)
 
     def batch_commit(
-        self, keys: Sequence[str], ok: Sequence[bool] | None = None, ttl_s: float | None = None
+        self, keys: Keys, ok: Sequence[bool] | None = None, ttl_s: float | None = None
     ) -> np.ndarray:
-        return self.writer.batch_commit(keys, ok, ttl_s)
+        return self.writer.batch_commit(encode_keys(keys), ok, ttl_s)
 
-    def batch_put_from_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
+    def batch_put_from_layers(self, keys: Keys, ptrs: Any, sizes: Any) -> np.ndarray:
         """Store each key from ``m`` pieces: ``ptrs`` is ``(k, m)``, ``sizes`` ``(m,)`` or
         ``(k, m)``. One alloc RPC, one batched copy, one commit RPC. Per-key statuses."""
-        return self.writer.batch_put_from_layers(keys, ptrs, sizes)
+        return self.writer.batch_put_from_layers(encode_keys(keys), ptrs, sizes)
 
-    def put_from_layers(self, key: str, ptrs: Any, sizes: Any) -> Status:
+    def put_from_layers(self, key: str | bytes, ptrs: Any, sizes: Any) -> Status:
+        kb = encode_key(key)
         P, S = u64(ptrs, "ptrs")[None, :], u64(sizes, "sizes", positive=True)
-        return _raise_put(key, Status(int(self.writer.batch_put_from_layers([key], P, S)[0])))
+        return _raise_put(kb, Status(int(self.writer.batch_put_from_layers([kb], P, S)[0])))
 
-    def batch_put_from(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
+    def batch_put_from(self, keys: Keys, ptrs: Any, sizes: Any) -> np.ndarray:
         P, S = u64(ptrs, "ptrs")[:, None], u64(sizes, "sizes", positive=True)[:, None]
-        return self.writer.batch_put_from_layers(keys, P, S)
+        return self.writer.batch_put_from_layers(encode_keys(keys), P, S)
 
-    def put_from(self, key: str, ptr: int, nbytes: int) -> Status:
+    def put_from(self, key: str | bytes, ptr: int, nbytes: int) -> Status:
+        kb = encode_key(key)
         ptr, nbytes = check_int(ptr, "ptr", 1), check_int(nbytes, "nbytes", 1)
-        return _raise_put(key, self.writer.put_one(key, ptr, nbytes))
+        return _raise_put(kb, self.writer.put_one(kb, ptr, nbytes))
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[bytes]) -> np.ndarray:
-        return self.writer.batch_put(keys, values)
+    def batch_put(self, keys: Keys, values: Sequence[bytes]) -> np.ndarray:
+        return self.writer.batch_put(encode_keys(keys), values)
 
-    def put(self, key: str, value: bytes) -> Status:
-        encode_key(key)
-        return _raise_put(key, Status(int(self.writer.batch_put([key], [value])[0])))
+    def put(self, key: str | bytes, value: bytes) -> Status:
+        kb = encode_key(key)
+        return _raise_put(kb, Status(int(self.writer.batch_put([kb], [value])[0])))
 
     # ------------------------------------------------------------------ gets
-    def get_into(self, key: str, ptr: int, nbytes: int) -> int:
+    def get_into(self, key: str | bytes, ptr: int, nbytes: int) -> int:
         """Copy the object into ``[ptr, ptr + nbytes)``; its size. ``KeyNotFound`` if absent."""
         ptr, nbytes = check_int(ptr, "ptr", 1), check_int(nbytes, "nbytes", 1)
         return self.session.read(self.reader.get_into, encode_key(key), ptr, nbytes)
 
-    def get_into_layers(self, key: str, ptrs: Any, sizes: Any) -> int:
+    def get_into_layers(self, key: str | bytes, ptrs: Any, sizes: Any) -> int:
         P, S = u64(ptrs, "ptrs"), u64(sizes, "sizes", positive=True)
         return self.session.read(self.reader.get_into_layers, encode_key(key), P, S)
 
-    def batch_get_into(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
+    def batch_get_into(self, keys: Keys, ptrs: Any, sizes: Any) -> np.ndarray:
         P, S = u64(ptrs, "ptrs")[:, None], u64(sizes, "sizes", positive=True)[:, None]
         return self.session.read(self.reader.batch_get_into_layers, encode_keys(keys), P, S)
 
-    def batch_get_into_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
+    def batch_get_into_layers(self, keys: Keys, ptrs: Any, sizes: Any) -> np.ndarray:
         kb = encode_keys(keys)
         P = u64(ptrs, "ptrs").reshape(len(kb), -1)
         S = u64(sizes, "sizes", positive=True).reshape(np.shape(sizes))
         S = np.broadcast_to(S, P.shape) if S.ndim == 1 else S
         return self.session.read(self.reader.batch_get_into_layers, kb, P, S)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str | bytes) -> bytes:
         return self.session.read(self.reader.get, encode_key(key))
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def batch_get(self, keys: Keys) -> list[bytes | None]:
         return [self.session.read(self.reader.get_or_none, k) for k in encode_keys(keys)]
 
     # ------------------------------------------------------------------ lifecycle
@@ -241,13 +239,14 @@ class PoolClient:
         self.close()
 
 
-def _raise_put(key: str, st: Status) -> Status:
+def _raise_put(key: bytes, st: Status) -> Status:
     if st in (Status.OK, Status.EXISTS):
         return st
+    name = f"pool key '{key_text(key)}'"
     if st == Status.NO_SPACE:
-        raise OutOfSpace(f"no space for pool key {key!r}")
+        raise OutOfSpace(f"no space for {name}")
     if st == Status.LEASE_EXPIRED:
-        raise LeaseExpired(f"write lease of pool key {key!r} expired before commit")
+        raise LeaseExpired(f"write lease of {name} expired before commit")
     if st == Status.NOT_FOUND:
-        raise KeyNotFound(key)
-    raise TransferFailed(f"put of pool key {key!r} failed: {st.name}")
+        raise KeyNotFound(name)
+    raise TransferFailed(f"put of {name} failed: {st.name}")

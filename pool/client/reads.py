@@ -28,6 +28,7 @@ from kvfabric.platform.checksum import Verify
 from kvfabric.pool import protocol as p
 from kvfabric.pool.client.dataplane import require
 from kvfabric.pool.client.session import Session
+from kvfabric.pool.keys import key_text
 from kvfabric.pool.status import Status
 from kvfabric.pool.table import SlotState, ticks_passed
 
@@ -67,9 +68,9 @@ class Reader:
             return True
         self.corrupt += 1
         (log.warning if self.corrupt == 1 else log.debug)(
-            "pool key %r: the bytes read do not match its writer's checksum (%#x != %#x); served as a "
+            "pool key '%s': the bytes read do not match its writer's checksum (%#x != %#x); served as a "
             "miss and removed%s",
-            key.decode(errors="replace"),
+            key_text(key),
             got,
             csum,
             "" if self.corrupt == 1 else f" ({self.corrupt} so far)",
@@ -77,7 +78,7 @@ class Reader:
         try:
             c.call(p.Remove([key]))
         except Exception as e:  # noqa: BLE001 - best effort: the read is a miss either way
-            log.debug("removing corrupt pool key %r: %s", key, e)
+            log.debug("removing corrupt pool key '%s': %s", key_text(key), e)
         return False
 
     # ------------------------------------------------------------------ exists
@@ -107,7 +108,7 @@ class Reader:
         for _ in range(RETRIES):
             i, (seq, gva, size, _gen, state, expire, csum) = table.lookup_raw(key)
             if i < 0 or state != _READABLE or (expire and ticks_passed(expire)):
-                raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
+                raise KeyNotFound(f"pool key '{key_text(key)}' not found")
             _check_size(key, size, nbytes, exact=False)
             if not c.dp.read_one(ptr, gva, size, host_user):
                 continue  # its rank is gone or the copy failed: look again
@@ -116,7 +117,7 @@ class Reader:
                     raise _corrupt(key)
                 table.touch(i)
                 return size
-        raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} kept changing while being read")
+        raise KeyNotFound(f"pool key '{key_text(key)}' kept changing while being read")
 
     def get_into_layers(self, key: bytes, ptrs: np.ndarray, sizes: np.ndarray, exact: bool = True) -> int:
         c = self.c
@@ -129,7 +130,7 @@ class Reader:
         for _ in range(RETRIES):
             hit = table.lookup(key)
             if hit is None or hit.state != SlotState.READABLE or (hit.expire and ticks_passed(hit.expire)):
-                raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
+                raise KeyNotFound(f"pool key '{key_text(key)}' not found")
             _check_size(key, hit.size, want, exact)
             ranges = self._copy_out(hit.gva, hit.size, ptrs, sizes, host_user)
             if table.seq_now(hit.slot) == hit.seq:
@@ -137,7 +138,7 @@ class Reader:
                     raise _corrupt(key)
                 table.touch(hit.slot)
                 return hit.size
-        raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} kept changing while being read")
+        raise KeyNotFound(f"pool key '{key_text(key)}' kept changing while being read")
 
     def _copy_out(
         self, gva: int, size: int, ptrs: np.ndarray, sizes: np.ndarray, host_user: bool
@@ -153,7 +154,7 @@ class Reader:
     def get(self, key: bytes) -> bytes:
         out = self.get_or_none(key)
         if out is None:
-            raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
+            raise KeyNotFound(f"pool key '{key_text(key)}' not found")
         return out
 
     def get_or_none(self, key: bytes) -> bytes | None:
@@ -243,7 +244,7 @@ class Reader:
         c = self.c
         r = c.call(p.Lookup([key], lease=True))
         if r.status[0] != Status.OK:
-            raise KeyNotFound(f"pool key {key.decode(errors='replace')!r} not found")
+            raise KeyNotFound(f"pool key '{key_text(key)}' not found")
         try:
             _check_size(key, r.sizes[0], int(sizes.sum()), exact)
             ranges = self._copy_out(r.gvas[0], r.sizes[0], ptrs, sizes, host_user)
@@ -251,7 +252,7 @@ class Reader:
             rel = c.call(p.Release([r.lease_ids[0]])).status[0]
         if rel != Status.OK:
             raise LeaseExpired(
-                f"read lease of pool key {key.decode(errors='replace')!r} expired during the copy; "
+                f"read lease of pool key '{key_text(key)}' expired during the copy; "
                 "the bytes read are not trusted"
             )
         csum = r.sums[0] if r.sums else 0
@@ -274,13 +275,9 @@ class Reader:
 
 
 def _corrupt(key: bytes) -> CorruptObject:
-    return CorruptObject(
-        f"pool key {key.decode(errors='replace')!r}: the bytes read do not match its writer's checksum"
-    )
+    return CorruptObject(f"pool key '{key_text(key)}': the bytes read do not match its writer's checksum")
 
 
 def _check_size(key: bytes, size: int, want: int, exact: bool) -> None:
     if (exact and size != want) or size > want:
-        raise ValueError(
-            f"pool key {key.decode(errors='replace')!r} holds {size} B; the buffers given hold {want} B"
-        )
+        raise ValueError(f"pool key '{key_text(key)}' holds {size} B; the buffers given hold {want} B")

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.platform.base import Platform
@@ -75,26 +76,30 @@ class OwnedObjects:
         return len(self._objects)
 
 
-class Session:
-    """See module docstring. Arguments as :class:`~kvfabric.pool.client.api.PoolClient`'s."""
+@dataclass(frozen=True)
+class ClientOptions:
+    """How one pool client takes part (the keyword arguments of
+    :class:`~kvfabric.pool.client.api.PoolClient`, whose docstring says what each means)."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        platform: Platform,
-        *,
-        window_bytes: int = 0,
-        window_medium: Medium = Medium.DRAM,
-        metadata_only: bool = False,
-        local_reads: bool = True,
-        client_id: str | None = None,
-        verify: Verify | str | bool | None = None,
-    ) -> None:
+    window_bytes: int = 0
+    window_medium: Medium = Medium.DRAM
+    metadata_only: bool = False
+    local_reads: bool = True
+    client_id: str | None = None
+    verify: Verify | str | bool | None = None
+
+
+class Session:
+    """See module docstring. ``options``: how the client takes part (:class:`ClientOptions`).
+    The session owns its transport (closed with it), its window and the mapped table."""
+
+    def __init__(self, transport: Transport, platform: Platform, options: ClientOptions) -> None:
+        o = options
         self.transport = transport
         self.platform = platform
-        self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.metadata_only = metadata_only
-        self.local_reads = local_reads
+        self.client_id = o.client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.metadata_only = o.metadata_only
+        self.local_reads = o.local_reads
         self.table: TableView | None = None
         self.fabric: Fabric | None = None
         self.dp: FabricDataPlane = None  # type: ignore[assignment]
@@ -106,11 +111,11 @@ class Session:
         info = self.call(p.Info()).data
         self.addr = FixedStride(info["stride"])
         self.write_lease_s = float(info.get("write_lease_s", 10.0))
-        self.verify = Verify.parse(info.get("verify", "on") if verify is None else verify)
+        self.verify = Verify.parse(info.get("verify", "on") if o.verify is None else o.verify)
         try:
-            if not metadata_only:
-                if window_bytes:
-                    self._window = platform.alloc(window_bytes, window_medium, shareable=True)
+            if not o.metadata_only:
+                if o.window_bytes:
+                    self._window = platform.alloc(o.window_bytes, o.window_medium, shareable=True)
                 self._join(info, rank=None)
             self._attach(info)
         except BaseException:

@@ -33,7 +33,7 @@ from kvfabric.platform.types import Medium
 from kvfabric.pool import protocol as p
 from kvfabric.pool.client.dataplane import require
 from kvfabric.pool.client.session import Session
-from kvfabric.pool.keys import U64_MAX, as_u64, check_count, check_sizes, encode_keys
+from kvfabric.pool.keys import U64_MAX, as_u64, check_count, check_sizes
 from kvfabric.pool.status import Status
 
 
@@ -57,7 +57,8 @@ def lease_margin(lease_s: float) -> float:
 
 
 class Writer:
-    """The write side of one pool client, over its :class:`Session` (see module docstring)."""
+    """The write side of one pool client, over its :class:`Session` (see module docstring).
+    Keys arrive encoded (``list[bytes]``: the client encodes and checks them once a batch)."""
 
     def __init__(self, session: Session) -> None:
         self.c = session
@@ -65,14 +66,10 @@ class Writer:
         self.pending: dict[bytes, tuple[int, int, int, float]] = {}  # gva, size, gen, alloc sent at
         self.abandoned = 0  # puts given up because their lease was about to run out
 
-    def batch_alloc(
-        self,
-        keys: Sequence[str],
-        sizes: Sequence[int],
-        preferred_rank: int | None = None,
-        medium: Medium | None = None,
+    def alloc(
+        self, kb: list[bytes], sizes: Any, preferred_rank: int | None, medium: Medium | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        kb = encode_keys(keys)
+        """``PoolClient.batch_alloc`` of keys already encoded (``keys.encode_keys``)."""
         sz = check_sizes(as_u64(sizes, "sizes", positive=True).tolist())
         if len(sz) != len(kb):
             raise ValueError(f"batch_alloc: {len(kb)} keys but {len(sz)} sizes")
@@ -155,14 +152,13 @@ class Writer:
 
     def batch_commit(
         self,
-        keys: Sequence[str],
+        kb: list[bytes],
         ok: Sequence[bool] | None = None,
         ttl_s: float | None = None,
         sums: Sequence[int] | None = None,
     ) -> np.ndarray:
-        """Publish (or abandon) allocated keys. ``sums``: their checksums when the caller
-        took them; else each published object is sealed here over its mapped window."""
-        kb = encode_keys(keys)
+        """Publish (or abandon) allocated keys (encoded). ``sums``: their checksums when the
+        caller took them; else each published object is sealed here over its mapped window."""
         flags = [True] * len(kb) if ok is None else [bool(x) for x in ok]
         c = self.c
         if sums is None:
@@ -181,8 +177,8 @@ class Writer:
                     c.owned.add(k, (entry[0], entry[1], entry[2], h))
         return np.array(st, np.int8)
 
-    def batch_put_from_layers(self, keys: Sequence[str], ptrs: Any, sizes: Any) -> np.ndarray:
-        kb = encode_keys(keys)
+    def batch_put_from_layers(self, kb: list[bytes], ptrs: Any, sizes: Any) -> np.ndarray:
+        """Store each (encoded) key from its row of pieces: one alloc, one copy, one commit."""
         P = u64(ptrs, "ptrs").reshape(np.shape(ptrs))
         if P.ndim == 1:
             P = P.reshape(len(kb), -1)
@@ -193,7 +189,7 @@ class Writer:
         if S.size and int(S.max()) > U64_MAX // S.shape[1]:
             raise ValueError(f"sizes: the {S.shape[1]} pieces of an object add up past 2**64 - 1 B")
         host_user = self.c.dp.check_user(P.reshape(-1), S.reshape(-1))
-        st, gvas = self.batch_alloc(keys, S.sum(axis=1).tolist())
+        st, gvas = self.alloc(kb, S.sum(axis=1).tolist(), None, None)
         ok = st == Status.OK
         if not ok.any():
             return st
@@ -245,18 +241,18 @@ class Writer:
             start = stop
         return whole, late
 
-    def put_one(self, key: str, ptr: int, nbytes: int) -> Status:
+    def put_one(self, key: bytes, ptr: int, nbytes: int) -> Status:
         """The hot path of a single one-piece put: the same alloc / copy / commit steps
         without building arrays (the copy is a plain memmove when the space is mapped here)."""
         if nbytes <= 0:
             raise ValueError(f"piece sizes must be > 0, got {nbytes}")
         c = self.c
         host_user = c.dp.check_user_one(ptr, nbytes)
-        st, gvas = self.batch_alloc([key], [nbytes])
+        kb = [key]
+        st, gvas = self.alloc(kb, [nbytes], None, None)
         if st[0] != Status.OK:
             return Status(int(st[0]))
         gva = int(gvas[0])
-        kb = encode_keys([key])
         try:
             if not self._leases_ok(kb)[0]:
                 self.abandoned += 1
@@ -270,9 +266,9 @@ class Writer:
         cst = int(self.batch_commit(kb, [arrived], sums=[h])[0])
         return Status(cst) if arrived else Status.TRANSFER_FAILED
 
-    def batch_put(self, keys: Sequence[str], values: Sequence[bytes]) -> np.ndarray:
-        if len(keys) != len(values):
-            raise ValueError(f"batch_put: {len(keys)} keys but {len(values)} values")
+    def batch_put(self, kb: list[bytes], values: Sequence[bytes]) -> np.ndarray:
+        if len(kb) != len(values):
+            raise ValueError(f"batch_put: {len(kb)} keys but {len(values)} values")
         if any(len(v) == 0 for v in values):
             raise ValueError("batch_put: values must not be empty")
         staging = np.concatenate([np.frombuffer(v, np.uint8) for v in values])
@@ -281,7 +277,7 @@ class Writer:
             sizes = np.fromiter((len(v) for v in values), np.uint64, len(values))
             offs = np.cumsum(sizes) - sizes
             return self.batch_put_from_layers(
-                keys, (np.uint64(staging.ctypes.data) + offs)[:, None], sizes[:, None]
+                kb, (np.uint64(staging.ctypes.data) + offs)[:, None], sizes[:, None]
             )
         finally:
             self.c.platform.free(buf)

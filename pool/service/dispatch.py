@@ -7,8 +7,8 @@ the GVA fabric): a rank that joins with windows gets them allocatable, a rank th
 leaves or dies takes its objects out of the directory at once.
 
 Every request is checked whole before the service sees it (``check_request``): keys
-(non-empty, at most 256 UTF-8 bytes), sizes (> 0, no larger than a window can be), ids,
-counts (at most ``MAX_BATCH`` a list, parallel lists of equal length), ranks (in the
+(binary, 1 to 256 bytes, each list checked at once), sizes (> 0, no larger than a window
+can be), ids, counts (at most ``MAX_BATCH`` a list, parallel lists of equal length), ranks (in the
 address space; ``preferred_rank`` one that contributes a window), mediums, TTLs, and the
 addresses of ``reregister`` (inside a window of the pool). A request that fails any check
 gets an ``error`` reply naming the field and the first bad index, and changes nothing;
@@ -35,6 +35,7 @@ from kvfabric.pool.keys import (
     check_keys,
     check_lengths,
     check_sizes,
+    key_text,
 )
 from kvfabric.pool.service.meta import MetaService
 from kvfabric.pool.service.metrics import PoolMetrics
@@ -214,7 +215,7 @@ class Dispatcher:
         page = keys[req.start : req.start + max(0, min(req.limit, 10_000))]
         nxt = req.start + len(page)
         return {
-            "keys": [k.decode("utf-8", "replace") for k in page],
+            "keys": [key_text(k) for k in page],  # binary bytes as \xNN (keys.key_text)
             "total": len(keys),
             "next": nxt if nxt < len(keys) else None,
         }

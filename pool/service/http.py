@@ -3,7 +3,9 @@
 ``/health`` answers 200 with JSON (ready, ranks, capacity, objects); ``/metrics`` is the
 Prometheus text format of ``kvfabric_pool_*``; ``/capacity`` lists each window's
 capacity, use and evictions; ``/keys?prefix=P&start=N&limit=M`` pages through readable
-keys. Served by a small threaded ``http.server`` on the configured host and port.
+keys, each rendered by ``keys.key_text`` (text as it is, other bytes as ``\\xNN``; a
+prefix is given in the same form, so ``prefix=kv/\\x8a`` selects binary keys). Served
+by a small threaded ``http.server`` on the configured host and port.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from kvfabric.pool import protocol as p
+from kvfabric.pool.keys import key_from_text
 from kvfabric.pool.service.dispatch import Dispatcher
 
 
@@ -60,7 +63,11 @@ def _handler(dispatcher: Dispatcher) -> type[BaseHTTPRequestHandler]:
                 except ValueError:
                     self._json({"error": "start and limit must be integers"}, 400)
                     return
-                prefix = q.get("prefix", [""])[0].encode()
+                try:
+                    prefix = key_from_text(q.get("prefix", [""])[0])
+                except ValueError as e:
+                    self._json({"error": f"prefix: {e}"}, 400)
+                    return
                 reply = dispatcher.handle(p.ListKeys(prefix, start, limit))
                 self._json({"error": reply.error} if reply.error else reply.data, 400 if reply.error else 200)
             else:

@@ -9,6 +9,7 @@ from pool_testing import content
 from kvfabric.errors import KeyNotFound, LeaseExpired, OutOfSpace
 from kvfabric.pool.client import dataplane, reads
 from kvfabric.pool.config import PoolConfig
+from kvfabric.pool.keys import KeyBatch
 from kvfabric.pool.service.node import EmbeddedPool
 from kvfabric.pool.status import Status
 
@@ -95,6 +96,26 @@ def test_batched_zero_copy(client):
     P2 = (got.ctypes.data + np.arange(4) * size)[:, None] + np.array([0, size // 2])
     assert (client.batch_get_into_layers([f"L{i}" for i in range(4)], P2, [size // 2] * 2) == 0).all()
     assert np.array_equal(got, dst[: 4 * size])
+
+
+def test_binary_key_batches(client):
+    """Fixed-width binary keys (a ``KeyBatch`` built from an id array) through every batch
+    call, and single calls with the same keys as bytes."""
+    n, size = 8, 4 * KiB
+    ids = np.random.default_rng(5).integers(0, 256, (n, 16), dtype=np.uint8)
+    ids[0] = 0  # a key ending in zero bytes is a key like any other
+    keys = KeyBatch.of_ids(b"bin/", ids, b"\x00")
+    src = host(client, n * size)
+    src[:] = np.frombuffer(content("binary", n * size), np.uint8)
+    ptrs = src.ctypes.data + np.arange(n) * size
+    assert (client.batch_put_from(keys, ptrs, [size] * n) == Status.OK).all()
+    assert client.batch_exists(keys).all() and client.exists(keys[3])
+    assert not client.exists(keys[3][:-1] + b"\x01")
+    dst = host(client, n * size)
+    st = client.batch_get_into(keys, dst.ctypes.data + np.arange(n) * size, [size] * n)
+    assert (st == Status.OK).all() and np.array_equal(src, dst)
+    assert client.get(keys[0]) == src[:size].tobytes()
+    assert (client.batch_remove(keys) == Status.OK).all() and not client.batch_exists(keys).any()
 
 
 def test_layerwise_alloc_write_commit(client):

@@ -68,7 +68,7 @@ def plant_flip(store: Store, block_id: np.ndarray, shard: int = 0, at: int = FLI
         ptr = store.buffer.ptr + slot * store.slot_bytes + at  # type: ignore[attr-defined]
     elif store.name == "pool":
         client = store.client  # type: ignore[attr-defined]
-        key = store.keys(ids, shard)[0].encode()  # type: ignore[attr-defined]
+        key = store.keys(ids, shard)[0]  # type: ignore[attr-defined]
         i, (_seq, gva, size, _gen, _state, _exp, _csum) = client.table.lookup_raw(key)
         assert i >= 0, f"pool key {key!r} not found"
         local = client.dp.local(gva, size)

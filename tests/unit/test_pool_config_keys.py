@@ -68,7 +68,7 @@ def test_service_key_checks_name_the_first_bad_index():
     for keys, match in [
         ([b"ok", b""], r"keys\[1\]: pool keys must not be empty"),
         ([b"ok", b"x" * (MAX_KEY_BYTES + 1)], r"keys\[1\]: pool key of 257 bytes"),
-        ([b"\xff"], r"keys\[0\]: .*not valid UTF-8"),
+        ([b"ok", b"\xff\xfe-service"], r"keys\[1\]: .*reserved"),
         ([b"ok", "text"], r"keys\[1\]: pool keys are bytes on the wire, got str"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -1,6 +1,8 @@
 """``pool``: the kvfabric object pool as a KV block store.
 
-One pool object per block shard, keyed ``<prefix>/<32 hex digits of the id>/<shard>``.
+One pool object per block shard, keyed by the bytes ``<prefix>/`` + the block's 16 id
+bytes + the shard (2 bytes, big endian): binary keys built straight from the id array, one
+``KeyBatch`` a chunk, checked once (``object_keys``).
 A dump is one ``batch_put_from_layers`` per chunk of blocks (one alloc RPC, one batched
 copy straight from the caller's ``m`` pieces into the pool's memory, one commit RPC); a
 load is one ``batch_get_into_layers`` per chunk (on the pool's node: no RPC, a lookup in
@@ -22,7 +24,6 @@ in ``stats()["corrupt_blocks"]``.
 
 from __future__ import annotations
 
-import binascii
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ import numpy as np
 from kvfabric.errors import KVFabricError, ServiceUnavailable
 from kvfabric.platform.base import Platform
 from kvfabric.platform.checksum import Verify
+from kvfabric.pool.keys import KeyBatch, key_text
 from kvfabric.settings import Size, setting
-from kvfabric.ucm_layer.store.base import BlockStatus, StoreLayout
+from kvfabric.ucm_layer.store.base import ID_BYTES, BlockStatus, StoreLayout
 from kvfabric.ucm_layer.store.common import Request, TaskStore
 from kvfabric.ucm_layer.store.config import StoreConfig, as_verify
 from kvfabric.ucm_layer.store.task import StoreTask
@@ -93,16 +95,21 @@ class PoolStoreConfig(StoreConfig):
         )
 
 
-def object_keys(prefix: str, ids: np.ndarray, shard: int) -> list[str]:
-    """The pool keys of shard ``shard`` of each block: ``<prefix>/<32 hex digits>/<shard>``."""
-    hexes = binascii.hexlify(np.ascontiguousarray(ids).tobytes()).decode()
-    return [f"{prefix}/{hexes[i : i + 32]}/{shard}" for i in range(0, len(hexes), 32)]
+MAX_SHARDS = 1 << 16  # a shard is two bytes of the key
+
+
+def object_keys(prefix: str, ids: np.ndarray, shard: int) -> KeyBatch:
+    """The pool keys of shard ``shard`` of each block, as one checked batch: the bytes
+    ``<prefix>/`` + the block's 16 id bytes + the shard (2 bytes, big endian)."""
+    if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)) or not 0 <= shard < MAX_SHARDS:
+        raise ValueError(f"shard must be an int in [0, {MAX_SHARDS}), got {shard!r}")
+    return KeyBatch.of_ids(f"{prefix}/".encode(), ids, int(shard).to_bytes(2, "big"), ID_BYTES)
 
 
 def present_all_shards(client: Any, prefix: str, ids: np.ndarray, num_shards: int) -> np.ndarray:
     """Which blocks have every shard in the pool (``batch_exists``: one table lookup on
     the pool's node, one RPC elsewhere); raises what the client raises."""
-    keys = [k for s in range(num_shards) for k in object_keys(prefix, ids, s)]
+    keys = KeyBatch.stack(object_keys(prefix, ids, s) for s in range(num_shards))
     return client.batch_exists(keys).reshape(num_shards, ids.shape[0]).all(axis=0)
 
 
@@ -138,7 +145,7 @@ class PoolStore(TaskStore):
         return self._embedded.client(**kwargs)
 
     # ------------------------------------------------------------------ keys
-    def keys(self, ids: np.ndarray, shard: int) -> list[str]:
+    def keys(self, ids: np.ndarray, shard: int) -> KeyBatch:
         return object_keys(self.config.prefix, ids, shard)
 
     def _unavailable(self, e: Exception) -> None:
@@ -184,7 +191,7 @@ class PoolStore(TaskStore):
         task.set(sl, out)
         bad = np.flatnonzero(st == _CORRUPT)
         if bad.size:
-            self._corrupt_found(int(bad.size), f"pool object {keys[int(bad[0])]!r}")
+            self._corrupt_found(int(bad.size), f"pool object '{key_text(keys[int(bad[0])])}'")
 
     def _start_dump(self, req: Request, task: StoreTask) -> None:
         if req.n == 0:
