@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from kvfabric.envs import parse_size
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.gva.config import GvaConfig
 from kvfabric.settings import (
@@ -206,28 +207,53 @@ def test_every_config_documents_every_key(cls):
     assert all(meaning for _, _, meaning in describe(cls)), [k for k, _, m in describe(cls) if not m]
 
 
-def _doc_table(path: str, prefixes: tuple[str, ...]) -> dict[str, str]:
-    """``| `key` | default | meaning |`` rows of a markdown file whose key has a prefix."""
-    out = {}
-    with open(path) as f:
+def _doc_rows(name: str, section: str | None = None) -> dict[str, str]:
+    """``key -> default`` of the ``| `key` | default | meaning |`` rows of a doc (within the
+    ``## section`` heading when given); a row of several keys has their defaults in order."""
+    import kvfabric
+
+    out, inside = {}, section is None
+    with open(f"{kvfabric.__path__[0]}/docs/{name}") as f:
         for line in f:
+            if section is not None and line.startswith("## "):
+                inside = line.startswith(f"## {section}")
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if len(cells) >= 3 and cells[0].startswith("`") and cells[0].strip("`").startswith(prefixes):
-                for key in cells[0].split(","):
-                    out[key.strip().strip("`")] = cells[1]
+            if not inside or len(cells) < 3 or not cells[0].startswith("`"):
+                continue
+            keys = [k.strip().strip("`") for k in cells[0].split(",")]
+            values = [v.strip() for v in cells[1].split(",")]
+            out.update(zip(keys, values if len(values) == len(keys) else [cells[1]] * len(keys)))
     return out
 
 
-def test_the_store_keys_in_docs_match_the_configs():
-    import kvfabric
+def _same_default(doc: str, code: str) -> bool:
+    doc, code = doc.strip("`").strip("'\""), code.strip("'\"")
+    for parse in (parse_size, float):
+        try:
+            return parse(doc.replace(" ", "")) == parse(code)
+        except (TypeError, ValueError):
+            pass
+    return doc == code
 
-    doc = _doc_table(f"{kvfabric.__path__[0]}/docs/stores.md", ("posix.", "cache.", "pipeline.", "pool."))
-    keys = {
-        k
-        for cls in (PosixConfig, CacheConfig, PipelineConfig, PoolStoreConfig)
-        for k, _, _ in describe(cls, cls.PREFIX)
+
+def test_the_store_keys_and_defaults_in_docs_match_the_configs():
+    doc = {
+        k: v
+        for k, v in _doc_rows("stores.md").items()
+        if k.startswith(("posix.", "cache.", "pipeline.", "pool."))
     }
-    assert set(doc) == keys
+    rows = [
+        r
+        for cls in (PosixConfig, CacheConfig, PipelineConfig, PoolStoreConfig)
+        for r in describe(cls, cls.PREFIX)
+    ]
+    assert set(doc) == {k for k, _, _ in rows}
+    assert [k for k, default, _ in rows if not _same_default(doc[k], default)] == []
+
+
+def test_the_connector_keys_in_docs_match_the_config():
+    doc = _doc_rows("vllm.md", "Configuration (`kv_connector_extra_config`)")
+    assert set(doc) == {f.name for f in dataclasses.fields(ConnectorConfig)}
 
 
 def test_pool_gva_and_connector_ranges_come_from_the_metadata():
