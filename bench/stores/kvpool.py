@@ -85,11 +85,11 @@ class Driver:
         self.last_failure = ""  # the statuses of the last call that failed, for the report
 
     def _failed(self, status: Any) -> int:
-        st = np.atleast_1d(np.asarray(status, np.int64))
-        bad = st[st != 0]
-        if bad.size:
-            from kvfabric.pool.status import Status
+        from kvfabric.pool.status import Status
 
+        st = np.atleast_1d(np.asarray(status, np.int64))
+        bad = st[st != Status.OK]
+        if bad.size:
             names = sorted({Status(int(x)).name for x in bad.tolist()})
             self.last_failure = f"pool status {'/'.join(names)}"
         return int(bad.size)

@@ -164,6 +164,7 @@ _TINY_FS_CHILD = textwrap.dedent(
     import numpy as np
     from stores import Blocks, LAYOUT, block_bytes, random_ids
     from kvfabric.platform.sim import SimPlatform
+    from kvfabric.status import ItemStatus
     from kvfabric.ucm_layer.store.posix import PosixConfig, PosixStore
     plat = SimPlatform()
     s = PosixStore(PosixConfig(dirs=(sys.argv[1],), io_threads=2), platform=plat, layout=LAYOUT)
@@ -175,7 +176,7 @@ _TINY_FS_CHILD = textwrap.dedent(
     vis = s.lookup(ids)
     d = Blocks(plat, LAYOUT, 80)
     ld = s.wait(s.load(ids, 0, d.addrs))
-    exact = bool(all(np.array_equal(d.read()[i], data[i]) for i in np.flatnonzero(ld == BlockStatus.OK)))
+    exact = bool(all(np.array_equal(d.read()[i], data[i]) for i in np.flatnonzero(ld == ItemStatus.OK)))
     print(json.dumps({"status": st.tolist(), "visible": vis.tolist(), "load": ld.tolist(), "exact": exact}))
     s.close()
     plat.close()

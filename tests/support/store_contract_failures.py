@@ -111,19 +111,29 @@ def test_cancelled_dump_leaves_nothing_visible(store, plat):
     assert not store.lookup(ids).any()
 
 
-def test_cancelled_load_touches_nothing_it_did_not_report(store, plat):
-    ids = random_ids(64, 9)
+def _stored(store, plat, seed, n=64):
+    """``(ids, data, dst)``: ``n`` blocks dumped into ``store`` and an untouched destination."""
+    ids = random_ids(n, seed)
     data = block_bytes(ids, LAYOUT.shard_bytes)
-    src, dst = Blocks(plat, LAYOUT, 64), Blocks(plat, LAYOUT, 64)
+    src, dst = Blocks(plat, LAYOUT, n), Blocks(plat, LAYOUT, n)
     src.write(data)
     assert (dump_all(store, ids, src) == OK).all()
+    return ids, data, dst
+
+
+def _only_ok_blocks_touched(st, dst, data, stopped):
+    """Every block is ``OK`` (its bytes arrived) or ``stopped`` (its destination untouched)."""
+    assert set(np.unique(st)) <= {OK, stopped}
+    got = dst.read()
+    for i in range(len(data)):
+        assert np.array_equal(got[i], data[i]) if st[i] == OK else dst.untouched(i)
+
+
+def test_cancelled_load_touches_nothing_it_did_not_report(store, plat):
+    ids, data, dst = _stored(store, plat, 9)
     t = store.load(ids, 0, dst.addrs)
     store.cancel(t)
-    st = store.wait(t)
-    assert set(np.unique(st)) <= {OK, CANCELLED}
-    got = dst.read()
-    for i in range(64):
-        assert np.array_equal(got[i], data[i]) if st[i] == OK else dst.untouched(i)
+    _only_ok_blocks_touched(store.wait(t), dst, data, CANCELLED)
 
 
 def test_dump_timeout_cancels_cleanly(store, plat):
@@ -137,17 +147,10 @@ def test_dump_timeout_cancels_cleanly(store, plat):
 
 
 def test_load_timeout_reports_and_touches_only_finished_blocks(store, plat):
-    ids = random_ids(64, 11)
-    data = block_bytes(ids, LAYOUT.shard_bytes)
-    src, dst = Blocks(plat, LAYOUT, 64), Blocks(plat, LAYOUT, 64)
-    src.write(data)
-    assert (dump_all(store, ids, src) == OK).all()
+    ids, data, dst = _stored(store, plat, 11)
     st = store.wait(store.load(ids, 0, dst.addrs), timeout=0)
-    assert set(np.unique(st)) <= {OK, TIMEOUT}
     time.sleep(0.2)  # whatever was still running has stopped by now
-    got = dst.read()
-    for i in range(64):
-        assert np.array_equal(got[i], data[i]) if st[i] == OK else dst.untouched(i)
+    _only_ok_blocks_touched(st, dst, data, TIMEOUT)
 
 
 def test_failed_copies_are_per_block_failures(store, plat):
