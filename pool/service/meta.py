@@ -35,6 +35,7 @@ from kvfabric.pool.service.table_writer import TableWriter
 from kvfabric.pool.status import Status
 from kvfabric.pool.table import SlotState, TableView, now_ticks, ticks_passed
 from kvfabric.pool.windows import Addressing
+from kvfabric.status import succeeded
 
 log = logging.getLogger("kvfabric.pool")
 
@@ -117,7 +118,7 @@ class MetaService:
             st.append(s)
             gvas.append(g)
             gens.append(n)
-        self.counters.count("alloc", len(keys), sum(1 for s in st if s not in (Status.OK, Status.EXISTS)))
+        self.counters.count("alloc", len(keys), sum(1 for s in st if not succeeded(s)))
         return st, gvas, gens
 
     def _candidates(self, home: int | None, preferred: int | None, medium: Medium | None) -> list[Window]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvfabric.pool.status import Status
+from kvfabric.status import succeeded
 
 if TYPE_CHECKING:
     from kvfabric.pool.service.meta import MetaService
@@ -66,7 +67,7 @@ class PoolMetrics:
         if n:
             keys.inc(n)
         for code in reply.status:
-            if code not in (Status.OK, Status.EXISTS):
+            if not succeeded(code):
                 self.failures.labels(op, Status(code).name).inc()
 
     def update_state(self, service: MetaService) -> None:
