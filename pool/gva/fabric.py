@@ -49,16 +49,18 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvfabric.errors import KVFabricError, RankUnavailable
 from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.registry import create
-from kvfabric.platform.types import Medium
+from kvfabric.platform.types import Medium, Span
 from kvfabric.pool.gva import membership
 from kvfabric.pool.gva.address import AddressSpace, Gva
 from kvfabric.pool.gva.config import GvaConfig
-from kvfabric.pool.gva.copies import FabricCopies
+from kvfabric.pool.gva.copies import Copier, Items
+from kvfabric.pool.gva.handle import XferHandle
 from kvfabric.pool.gva.monitor import Monitor
 from kvfabric.pool.gva.rendezvous import connect
 from kvfabric.pool.gva.rendezvous.base import KVStore
@@ -86,8 +88,9 @@ class MembershipChange:
     left: tuple[int, ...]
 
 
-class Fabric(FabricCopies):
-    """One rank of a GVA pool (see module docstring)."""
+class Fabric:
+    """One rank of a GVA pool (see module docstring). Membership is kept here; copies and
+    address resolution are its :class:`~kvfabric.pool.gva.copies.Copier`'s (``copier``)."""
 
     def __init__(self, platform: Platform, store: KVStore, config: GvaConfig) -> None:
         self.platform, self.store, self.config = platform, store, config
@@ -105,7 +108,8 @@ class Fabric(FabricCopies):
         self._cond = threading.Condition(self._lock)
         self._subs: list[Callable[[MembershipChange], None]] = []
         self._on_evicted: list[Callable[[str], None]] = []
-        self._view = View(SegmentTable.derive(membership.MembershipRecord()), -1, {})
+        empty = View(SegmentTable.derive(membership.MembershipRecord()), -1, {})
+        self.copier = Copier(config, platform, self._transports, empty, self._check_member)
         self._monitor: Monitor | None = None
         self._evicted_reason = ""
 
@@ -233,7 +237,7 @@ class Fabric(FabricCopies):
             maps = list(self._maps.values()) + self._retired
             self._maps.clear()
             self._retired.clear()
-            self._view = View(self._view.table, self.rank, {})
+            self.copier.view = View(self.copier.view.table, self.rank, {})
         for m in maps:
             if not m.buffer.freed:
                 self.platform.free(m.buffer)
@@ -253,9 +257,9 @@ class Fabric(FabricCopies):
     # ------------------------------------------------------------------ view maintenance
     def _install(self, table: SegmentTable) -> None:
         with self._lock:
-            old = self._view.table
+            old = self.copier.view.table
             if self.state is not FabricState.JOINED or (
-                table.version <= old.version and self._view.rank >= 0
+                table.version <= old.version and self.copier.view.rank >= 0
             ):
                 return
             ends, retired = map_table(
@@ -269,9 +273,9 @@ class Fabric(FabricCopies):
                 can_map="mapped" in self._transports,
             )
             self._retired.extend(retired)
-            self._view = View(table, self.rank, ends)
+            view = self.copier.view = View(table, self.rank, ends)
             for t in self._transports.values():
-                t.update(self._view)
+                t.update(view)
             if self.rank >= 0 and all(m.token != self.token for m in table.members):
                 self.state = FabricState.EVICTED
                 self._evicted_reason = f"removed from the pool at table v{table.version}"
@@ -335,11 +339,11 @@ class Fabric(FabricCopies):
     # ------------------------------------------------------------------ queries
     @property
     def table(self) -> SegmentTable:
-        return self._view.table
+        return self.copier.view.table
 
     @property
     def version(self) -> int:
-        return self._view.table.version
+        return self.copier.view.table.version
 
     def window(self, medium: Medium | str) -> Buffer:
         """This rank's window of ``medium`` (``ValueError`` if it contributes none)."""
@@ -351,7 +355,7 @@ class Fabric(FabricCopies):
 
     def gva(self, medium: Medium | str, offset: int = 0, rank: int | None = None) -> Gva:
         """The GVA of ``offset`` in ``rank``'s (default: this rank's) ``medium`` window."""
-        return self._view.table.gva(Medium.parse(medium), self.rank if rank is None else rank, offset)
+        return self.copier.view.table.gva(Medium.parse(medium), self.rank if rank is None else rank, offset)
 
     def transport(self, name: str) -> Transport:
         """The enabled transport ``name`` (e.g. to reach the remote engine directly)."""
@@ -373,16 +377,49 @@ class Fabric(FabricCopies):
         """Block until ``predicate(table)`` holds; ``TimeoutError`` naming the table if not."""
         with self._cond:
             if not self._cond.wait_for(
-                lambda: predicate(self._view.table) or self.state is not FabricState.JOINED, timeout
+                lambda: predicate(self.copier.view.table) or self.state is not FabricState.JOINED, timeout
             ):
                 raise TimeoutError(
                     f"rank {self.rank}: condition not met within {timeout} s; {self.table.describe()}"
                 )
             self._check_member()
-            return self._view.table
+            return self.copier.view.table
 
     def wait_for_version(self, version: int, timeout: float = 30.0) -> SegmentTable:
         return self.wait_for(lambda t: t.version >= version, timeout)
+
+    # ------------------------------------------------------------------ copies (the copier's)
+    def local_address(self, gva: int, nbytes: int) -> int:
+        """The address in this process of ``[gva, gva + nbytes)`` (mapped ranks only)."""
+        return self.copier.local_address(gva, nbytes)
+
+    def resolve(self, gva: int, nbytes: int) -> Span:
+        """A platform ``Span`` of ``[gva, gva + nbytes)`` in this process (mapped ranks only)."""
+        return self.copier.resolve(gva, nbytes)
+
+    def xcopy(
+        self, dst: Any, src: Any, nbytes: int | None = None, *, version: int | None = None
+    ) -> XferHandle:
+        """Copy ``nbytes`` from ``src`` to ``dst`` (GVAs or local memory); asynchronous."""
+        return self.copier.xcopy(dst, src, nbytes, version, False)  # type: ignore[return-value]
+
+    def xcopy_sync(
+        self, dst: Any, src: Any, nbytes: int | None = None, *, version: int | None = None
+    ) -> None:
+        """``xcopy`` that returns once the bytes are in place; ``TransferFailed`` if not."""
+        self.copier.xcopy(dst, src, nbytes, version, True)
+
+    def batch_xcopy(self, items: Items, *, version: int | None = None, inline: bool = False) -> XferHandle:
+        """Copy many ``(dst, src, nbytes)`` pieces; grouped by rank pair; asynchronous.
+
+        ``inline``: run the copies in the calling thread and return a finished handle
+        (per-item statuses, nothing raised): the cheapest way when the caller would wait
+        at once anyway."""
+        return self.copier.batch_xcopy(items, version, inline)
+
+    def batch_xcopy_sync(self, items: Items, *, version: int | None = None) -> None:
+        """``batch_xcopy`` that returns when every piece is in place; raises if any failed."""
+        self.copier.batch_xcopy(items, version, True).raise_for_status()
 
     def _check_member(self) -> None:
         if self.state is not FabricState.JOINED:

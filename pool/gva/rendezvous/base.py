@@ -29,7 +29,10 @@ Contract (all methods thread-safe; any thread may call any method):
   ``range`` and watch from its revision).
 
 Failures to reach the store raise ``ServiceUnavailable``; a lost session (ephemeral keys
-gone) makes every later call raise it too (``session_lost`` is then True).
+gone) makes every later call raise it too (``session_lost`` is then True). The base class
+keeps that state for every client: ``_lost`` (why the session ended, set once by the
+client; ``close`` sets it too), ``_closed`` (its owner closed it: not a loss) and
+``_check_session()``, which a client calls before each request.
 """
 
 from __future__ import annotations
@@ -76,6 +79,13 @@ class KVStore(abc.ABC):
     """A rendezvous store (see the module docstring for the contract)."""
 
     url: str
+    _lost: str | None = None  # why the session ended (the first reason), None while it holds
+    _closed: bool = False  # closed by its owner (the session did not get lost)
+
+    def _check_session(self) -> None:
+        """``ServiceUnavailable`` naming why, once the session has ended."""
+        if self._lost is not None:
+            raise ServiceUnavailable(f"{self.url}: {self._lost}")
 
     @abc.abstractmethod
     def set(self, key: str, value: bytes, *, ephemeral: bool = False) -> int:
@@ -109,8 +119,9 @@ class KVStore(abc.ABC):
     def watch(self, prefix: str, after: int, timeout: float | None) -> tuple[list[WatchEvent], int]: ...
 
     @property
-    @abc.abstractmethod
-    def session_lost(self) -> bool: ...
+    def session_lost(self) -> bool:
+        """True once the session ended by itself (not by ``close``): its ephemeral keys are gone."""
+        return self._lost is not None and not self._closed
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -132,8 +132,7 @@ class RendezvousClient(KVStore):
                 p.done.set()
 
     def _call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
-        if self._lost is not None:
-            raise ServiceUnavailable(f"{self.url}: {self._lost}")
+        self._check_session()
         rid = next(self._ids)
         p = _Pending()
         self._pending[rid] = p
@@ -224,10 +223,6 @@ class RendezvousClient(KVStore):
             "watch", prefix, int(after), timeout, timeout=self._blocking_timeout(timeout) or 1e9
         )
         return [WatchEvent(k, v, int(r)) for k, v, r in evs], int(rev)
-
-    @property
-    def session_lost(self) -> bool:
-        return self._lost is not None and not self._closed
 
     def close(self) -> None:
         if self._closed:

@@ -91,8 +91,7 @@ class EtcdStore(KVStore):
         return c
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        if self._lost is not None:
-            raise ServiceUnavailable(f"{self.url}: {self._lost}")
+        self._check_session()
         data = json.dumps(body)
         for attempt in (0, 1):
             c = self._conn()
@@ -256,8 +255,7 @@ class EtcdStore(KVStore):
     def _watch(
         self, key: str, after: int, timeout: float | None, *, prefix: bool
     ) -> tuple[list[WatchEvent], int]:
-        if self._lost is not None:
-            raise ServiceUnavailable(f"{self.url}: {self._lost}")
+        self._check_session()
         req: dict[str, Any] = {"key": _b64(key), "start_revision": str(after + 1)}
         if prefix:
             req["range_end"] = _prefix_end(key)
@@ -303,10 +301,6 @@ class EtcdStore(KVStore):
             raise ServiceUnavailable(f"etcd at {self.url}: watch failed: {e}") from e
         finally:
             conn.close()
-
-    @property
-    def session_lost(self) -> bool:
-        return self._lost is not None and not self._closed
 
     def close(self) -> None:
         if self._closed:
