@@ -242,7 +242,7 @@ def test_an_idle_step_waits_briefly_for_an_async_load_instead_of_spinning(plat, 
 
     from store_faults import SlowReadIO
 
-    from kvfabric.ucm_layer.connector.worker import IDLE_WAIT_S
+    from kvfabric.ucm_layer.connector.loads import IDLE_WAIT_S
 
     src, dst = _caches(5), {k: torch.zeros_like(v) for k, v in _caches(5).items()}
     a, _ = _posix_worker(plat, tmp_path)
@@ -271,3 +271,79 @@ def test_an_idle_step_waits_briefly_for_an_async_load_instead_of_spinning(plat, 
     for name in src:
         assert torch.equal(dst[name][3:5], src[name][0:2])
     a.close(), b.close()
+
+
+class _StalledDumps(MemStore):
+    """A MemStore whose dumps never finish (a backing service that stopped answering):
+    each is a real ``StoreTask`` with a job that never ends, cancelled by ``wait``'s
+    timeout as every store's task is."""
+
+    def dump(self, ids, shard_idx, addrs, after=None):
+        from kvfabric.ucm_layer.store.base import TaskKind
+        from kvfabric.ucm_layer.store.task import StoreTask
+
+        ids, _, _ = self._checked(ids, shard_idx, addrs)
+        task = StoreTask(self, TaskKind.DUMP, len(ids))
+        task.add_job()  # never done
+        task.seal()
+        return task
+
+    def check(self, task):
+        return task.finished() if hasattr(task, "finished") else super().check(task)
+
+    def wait(self, task, timeout=None):
+        from kvfabric.ucm_layer.store.task import wait_task
+
+        return wait_task(self, task, timeout) if hasattr(task, "finished") else super().wait(task, timeout)
+
+    def cancel(self, task):
+        task.cancel() if hasattr(task, "finished") else super().cancel(task)
+
+
+def _stalled_worker(plat, timeout_s):
+    cfg = ConnectorConfig(store="posix", posix_path="/unused", delegator=False, load_timeout_s=timeout_s)
+    w = WorkerSide(cfg, plat, _StalledDumps, rank=0)
+    w.register(_caches(6), NB)
+    return w
+
+
+def test_a_preempted_requests_dump_that_never_ends_fails_within_load_timeout_s(plat, caplog):
+    """vLLM reuses a preempted request's blocks once ``preempted`` returns: a dump that
+    never releases them is cancelled after ``load_timeout_s`` (its blocks fail as
+    ``TIMEOUT``, a future miss, and the warning says so) instead of hanging the engine."""
+    import time
+
+    w = _stalled_worker(plat, 0.2)
+    w.wait_for_save(StepPlan(dumps=[Transfer("r", _ids(3, 12), np.array([0, 1, 2]))]))
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvfabric.connector"):
+        waiter = threading.Thread(target=w.wait_for_save, args=(StepPlan(preempted={"r"}),), daemon=True)
+        waiter.start()
+        waiter.join(5.0)
+    elapsed = time.monotonic() - t0
+    assert not waiter.is_alive(), "preempted() still waits on a dump that never ends"
+    assert 0.18 <= elapsed < 2.0
+    assert w.stats.totals["save_failed_blocks"] == 3 and w.stats.totals["saved_blocks"] == 0
+    (warning,) = [r.getMessage() for r in caplog.records if "storing KV blocks" in r.getMessage()]
+    assert "3 of 3 blocks: 3 timeout" in warning
+    w.wait_for_save(StepPlan(finished={"r"}))
+    assert w.finished() == {"r"}  # the cancelled dump released the blocks: vLLM frees them
+    w.close()
+
+
+def test_a_failed_dump_warning_names_the_stores_per_block_reasons(plat, tmp_path, caplog):
+    """The posix store runs out of space: the warning names the store and the blocks'
+    status (``failed``), logged once for a run of failures, every block counted."""
+    from store_faults import FullDiskIO
+
+    w, _ = _posix_worker(plat, tmp_path, io=FullDiskIO(0))
+    w.register(_caches(7), NB)
+    with caplog.at_level(logging.WARNING, logger="kvfabric.connector"):
+        for salt in (13, 14):
+            w.wait_for_save(StepPlan(dumps=[Transfer(f"r{salt}", _ids(2, salt), np.array([0, 1]))]))
+            w._reap(block=True)
+    warnings = [r.getMessage() for r in caplog.records if "storing KV blocks" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "'posix'" in warnings[0] and "2 of 2 blocks: 2 failed" in warnings[0]
+    assert w.stats.totals["save_failed_blocks"] == 4
+    w.close()

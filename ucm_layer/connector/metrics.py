@@ -23,6 +23,8 @@ import statistics
 import threading
 from typing import Any
 
+import numpy as np
+
 from kvfabric.status import BLOCK_STATUSES
 from kvfabric.ucm_layer.store.base import BlockStatus
 
@@ -40,6 +42,24 @@ def failure_reason(status: int) -> str:
     except ValueError:
         return "error"
     return name if name in FAILURE_REASONS else "error"
+
+
+def failure_reasons(status: object) -> dict[str, int]:
+    """The failed blocks of a per-block store ``status`` array counted by reason
+    (``{"timeout": 2, "failed": 1}``, in the order first seen; OK and PENDING blocks left out;
+    ``-1`` reads as ``error``, a transfer that raised before any block had a status)."""
+    out: dict[str, int] = {}
+    for code in np.asarray(status, np.int64).reshape(-1).tolist():
+        if code in (BlockStatus.OK, BlockStatus.PENDING):
+            continue
+        reason = failure_reason(code)
+        out[reason] = out.get(reason, 0) + 1
+    return out
+
+
+def describe_reasons(reasons: dict[str, int]) -> str:
+    """``failure_reasons``' counts for a log line: ``"2 timeout, 1 failed"``."""
+    return ", ".join(f"{n} {reason}" for reason, n in reasons.items())
 
 
 def failure_counter(reason: str) -> str:

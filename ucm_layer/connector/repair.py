@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfabric.ucm_layer.connector.metrics import failure_counter, failure_reason
+from kvfabric.ucm_layer.connector.metrics import failure_counter, failure_reasons
 from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
 
 
@@ -50,11 +50,7 @@ class LoadFailures:
             self._poisoned |= hit
             self._version += 1
         codes = np.full(len(ids), -1, np.int64) if status is None else np.asarray(status, np.int64)
-        reasons: dict[str, int] = {}
-        for code in codes[new]:
-            counter = failure_counter(failure_reason(int(code)))
-            reasons[counter] = reasons.get(counter, 0) + 1
-        return reasons
+        return {failure_counter(r): n for r, n in failure_reasons(codes[new]).items()}
 
     def take(self) -> set[int]:
         """The blocks that failed since the last call (for vLLM to recompute)."""

@@ -34,16 +34,14 @@ it, a ``MISSING`` one was never there, so the dump lands (stores are put-if-abse
 dump then leaves it as it is).
 
 Several KV cache groups (vLLM's hybrid KV cache manager; ``windows`` gives each group's
-sliding window in tokens, None for full attention): every group's blocks are stored under
-the same chained ids stamped with the group (``hashing.tag``), one transfer per request
-and group. A prefix of ``H`` blocks hits when every full-attention group holds blocks
-``[0, H)`` and every sliding-window group the blocks covering tokens
-``[max(0, H*bs - W + 1), H*bs)`` (the ones vLLM keeps; those before are its null block
-0), beyond vLLM's own prefix hit. Dumps skip null blocks and mark sliding-window ones
-``transient`` (vLLM frees them while the request runs). Loads are asynchronous and into
-the non-null blocks vLLM allocated; a failed one is reported per request
-(``load_failed_requests``, vLLM's ``failed_recving``): vLLM recomputes the request
+sliding window in tokens, None for full attention): the hit rule and the per-group
+transfers are ``hybrid.py``'s. Loads are asynchronous; a failed one is reported per
+request (``load_failed_requests``, vLLM's ``failed_recving``): vLLM recomputes the request
 from scratch, and the request never claims the blocks of that load again.
+
+Disaggregated prefill (``handoff.py``): ``match`` reads a consumer request's hand-off
+and may answer ``None`` (not decided) while it waits for the announced blocks, at most
+``pd_wait_s``; ``finish`` gives a producer's request the hand-off for its decode engine.
 
 Not thread-safe: vLLM calls the scheduler role from one thread.
 """
@@ -58,6 +56,8 @@ from typing import Any
 
 import numpy as np
 
+from kvfabric.ucm_layer.connector.handoff import Handoff, PDWait
+from kvfabric.ucm_layer.connector.hybrid import PresentFn, group_transfers, hit_blocks
 from kvfabric.ucm_layer.connector.metrics import SchedulerStats
 from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
 from kvfabric.ucm_layer.connector.tracing import Tracer
@@ -66,8 +66,6 @@ from kvfabric.ucm_layer.connector.views import CachedReq, NewReq, ReqView
 log = logging.getLogger("kvfabric.connector")
 
 IdFn = Callable[[Sequence[bytes], np.ndarray | None], np.ndarray]
-PresentFn = Callable[[np.ndarray, int], np.ndarray]  # (base ids, group) -> present per block
-NULL_BLOCK = 0  # vLLM's null block: a sliding-window position outside the window
 
 
 @dataclass
@@ -80,9 +78,7 @@ class _Req:
     lookup_hit: int = 0  # blocks beyond `local` the store holds
     load: Transfer | None = None
     dumped_any: bool = False
-    announced: int = 0  # P/D: full blocks the producer said it stored (0: none announced)
-    wait_since: float | None = None  # P/D: when the wait for them began
-    last_ask: float = 0.0  # P/D: when the index was last asked while waiting
+    pd: PDWait = field(default_factory=PDWait)  # P/D: the wait for announced blocks
     cap: int = 1 << 62  # blocks from here on failed to load once: never claimed again
     groups: list[list[int]] = field(default_factory=list)  # per group (several groups only)
     load_start: int = 0  # the first block of the last planned load
@@ -115,15 +111,13 @@ class SchedulerSide:
         self._ids_from_hashes = ids_from_hashes
         self._lookup_prefix = lookup_prefix
         self.can_load, self.can_save = load, save
-        self.async_load, self.pd_wait_s = async_load, pd_wait_s
-        self.fingerprint = fingerprint  # names the block ids in P/D hand-offs
-        self._clock = clock
+        self.async_load = async_load
+        self.pd = Handoff(fingerprint, pd_wait_s, block_size, clock)
         self.tracer = tracer or Tracer(None)
         self.stats = SchedulerStats()
         self._reqs: dict[str, _Req] = {}
         self._planned_loads: list[Transfer] = []
         self._planned_async: list[Transfer] = []
-        self._pd_told: set[str] = set()  # P/D warnings already logged
         self._finished: set[str] = set()
         self._repaired: set[str] = set()
         self._store_down = False
@@ -134,6 +128,11 @@ class SchedulerSide:
         self._lookup_present = lookup_present
         if self.multi:
             self.async_load = True  # request-level load failures exist only for async loads
+
+    @property
+    def fingerprint(self) -> str:
+        """Names the block ids in P/D hand-offs (see ``handoff.py``)."""
+        return self.pd.fingerprint
 
     # ------------------------------------------------------------------ ids
     def _state(self, view: ReqView) -> _Req:
@@ -165,61 +164,11 @@ class SchedulerSide:
         if not self.can_load:
             return 0, False
         st = self._state(view)
-        self._announce(st, view)
-        hit = self.num_new_matched_tokens(view, local_tokens, fresh=st.announced > 0)
-        if st.announced:
-            local = local_tokens // self.block_size
-            if local + st.lookup_hit < st.announced:
-                if st.wait_since is None:
-                    st.wait_since = self._clock()
-                if self._clock() - st.wait_since < self.pd_wait_s:
-                    return None, False
-                self._tell_pd(
-                    "late",
-                    "kvfabric: P/D request %s: %d of the %d blocks its producer announced are not in the "
-                    "store after pd_wait_s=%gs; computing the rest (logged once)",
-                    view.req_id,
-                    st.announced - local - st.lookup_hit,
-                    st.announced,
-                    self.pd_wait_s,
-                )
-            st.announced = 0  # decided: load what is there
+        self.pd.announce(st.pd, view)
+        hit = self.num_new_matched_tokens(view, local_tokens, fresh=st.pd.announced > 0)
+        if not self.pd.settle(st.pd, view.req_id, local_tokens // self.block_size + st.lookup_hit):
+            return None, False
         return hit, bool(hit and self.async_load)
-
-    def _waiting(self, st: _Req) -> bool:
-        return st.announced > 0 and (st.wait_since is None or self._clock() - st.wait_since < self.pd_wait_s)
-
-    def _announce(self, st: _Req, view: ReqView) -> None:
-        """P/D: read the producer's hand-off from ``kv_transfer_params`` once per request."""
-        params = view.transfer_params
-        if st.wait_since is not None or st.announced or not params or not params.get("do_remote_prefill"):
-            return
-        mine = params.get("kvfabric")
-        if not isinstance(mine, Mapping):
-            return
-        fp = str(mine.get("fingerprint", ""))
-        if self.fingerprint and fp != self.fingerprint:
-            self._tell_pd(
-                "fingerprint",
-                "kvfabric: P/D request %s was prefilled by an engine whose block ids differ from this "
-                "one's (fingerprint %s, here %s: another model, dtype, block size, TP size or KV layout); "
-                "its blocks cannot be used and it is computed here (logged once)",
-                view.req_id,
-                fp or "none",
-                self.fingerprint,
-            )
-            return
-        try:
-            blocks = int(mine.get("blocks", 0))
-        except (TypeError, ValueError):
-            blocks = 0
-        claimable = max(view.num_tokens - 1, 0) // self.block_size
-        st.announced = max(0, min(blocks, claimable))
-
-    def _tell_pd(self, key: str, msg: str, *args: object) -> None:
-        if key not in self._pd_told:
-            self._pd_told.add(key)
-            log.warning(msg, *args)
 
     def num_new_matched_tokens(self, view: ReqView, local_tokens: int, fresh: bool = False) -> int:
         """The tokens beyond ``local_tokens`` the store holds (see the module docstring);
@@ -233,16 +182,18 @@ class SchedulerSide:
         key = (local, claimable)
         if st.lookup_key == key and not fresh:
             return st.lookup_hit * bs
-        if fresh and st.lookup_key == key and self._clock() - st.last_ask < 0.005:
+        if fresh and st.lookup_key == key and self.pd.throttled(st.pd):
             return st.lookup_hit * bs  # a waiting consumer asks the store at most every 5 ms
-        st.last_ask = self._clock()
+        self.pd.asked(st.pd)
         hit = 0
         ids = self._ids(st, claimable)
         if ids.shape[0] > local:
             try:
                 with self.tracer.span("kvfabric.lookup", req_id=view.req_id) as span:
                     if self.multi:
-                        hit = self._multi_hit(ids, local, st.cap - local)
+                        hit = hit_blocks(
+                            ids[local:], local, st.cap - local, self.windows, bs, self._lookup_present
+                        )
                     else:
                         hit = int(self._lookup_prefix(ids[local:]))
                     span.set(
@@ -264,35 +215,9 @@ class SchedulerSide:
                 hit = 0
         hit = max(0, min(hit, ids.shape[0] - local, st.cap - local))
         st.lookup_key, st.lookup_hit = key, hit
-        if not fresh or not self._waiting(st):
+        if not fresh or not self.pd.waiting(st.pd):
             self.stats.lookup(view.num_tokens, (local + hit) * bs, hit * bs)
         return hit * bs
-
-    def _multi_hit(self, ids: np.ndarray, local: int, limit: int) -> int:
-        """Several groups: the most blocks beyond ``local`` (at most ``limit``) that hit by
-        the rule of the module docstring."""
-        tail = ids[local:]
-        n = min(tail.shape[0], max(limit, 0))
-        if n <= 0:
-            return 0
-        tail = tail[:n]
-        windowed: dict[int, np.ndarray] = {}
-        for g, w in enumerate(self.windows):
-            present = np.asarray(self._lookup_present(tail, g), bool).reshape(-1)[:n]
-            if w is None:
-                missing = np.flatnonzero(~present)
-                n = min(n, int(missing[0]) if missing.size else present.size)
-            else:
-                windowed[g] = present
-        bs = self.block_size
-        for h in range(n, 0, -1):
-            end = local + h
-            if all(
-                p[max(local, max(0, end * bs - int(self.windows[g]) + 1) // bs) - local : h].all()
-                for g, p in windowed.items()
-            ):
-                return h
-        return 0
 
     def after_alloc(
         self,
@@ -335,17 +260,15 @@ class SchedulerSide:
     def _plan_group_loads(self, st: _Req, view: ReqView, ids: np.ndarray, local: int, n: int) -> None:
         """Several groups: an async load per group into the non-null blocks vLLM allocated
         for ``[local, local + n)`` (at least one transfer, so vLLM hears the request end)."""
-        loads: list[Transfer] = []
         for g, row in enumerate(st.groups):
             if len(row) < local + n:
                 raise ValueError(
                     f"request {view.req_id}: group {g} has {len(row)} blocks for {local + n} loaded blocks"
                 )
-            blocks = np.asarray(row[local : local + n], np.int64)
-            keep = blocks != NULL_BLOCK
-            if keep.any():
-                t = Transfer(view.req_id, ids[keep], blocks[keep], view.num_tokens, self.block_size, g)
-                loads.append(t)
+        rows = [np.asarray(row[local : local + n], np.int64) for row in st.groups]
+        loads = group_transfers(
+            view.req_id, ids, rows, view.num_tokens, self.block_size, self.windows, dump=False
+        )
         if not loads:
             empty = np.zeros(0, np.int64)
             loads.append(Transfer(view.req_id, ids[:0], empty, view.num_tokens, self.block_size))
@@ -465,24 +388,18 @@ class SchedulerSide:
         if found is None:
             return
         ids, rows = found
-        full = rows.stop
-        for g, row in enumerate(st.groups):
-            blocks = np.asarray(row[rows], np.int64)
-            keep = blocks != NULL_BLOCK
-            if keep.any():
-                plan.dumps.append(
-                    Transfer(
-                        st.view.req_id,
-                        ids[rows][keep],
-                        blocks[keep],
-                        st.view.num_tokens,
-                        self.block_size,
-                        g,
-                        self.windows[g] is not None,
-                    )
-                )
-                st.dumped_any = True
-        st.stored = full
+        dumps = group_transfers(
+            st.view.req_id,
+            ids[rows],
+            [np.asarray(row[rows], np.int64) for row in st.groups],
+            st.view.num_tokens,
+            self.block_size,
+            self.windows,
+            dump=True,
+        )
+        plan.dumps.extend(dumps)
+        st.dumped_any = st.dumped_any or bool(dumps)
+        st.stored = rows.stop
 
     def load_failed_requests(self, req_ids: Collection[str]) -> int:
         """Several groups: requests whose asynchronous load failed (vLLM's
@@ -558,13 +475,7 @@ class SchedulerSide:
         st = self._reqs.get(req_id)
         stored = st.stored if st is not None else 0
         keep = self.request_finished(req_id)
-        if not params or not params.get("do_remote_decode"):
-            return keep, None
-        return keep, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "kvfabric": {"blocks": stored if self.can_save else 0, "fingerprint": self.fingerprint},
-        }
+        return keep, self.pd.params(params, stored if self.can_save else 0)
 
     def forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

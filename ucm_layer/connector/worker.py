@@ -9,14 +9,13 @@ Call order per engine step (vLLM's model runner drives it):
    a worker handed other tensors raises ``ValueError`` naming both, before it touches
    the store (its blocks would carry ids that promise another byte layout).
 2. ``start_load(plan)`` before the forward (after it when the step has no synchronous
-   load). ``plan.async_loads`` are issued and left running: ``finished_loads()``
-   (called after every step, forward or not) reports each request whose load is done,
-   after scattering its good blocks; a load still running ``load_timeout_s`` after it
-   was issued is cancelled (the store's cancel guarantees nothing writes the blocks
-   afterwards) and its unfinished blocks fail as ``TIMEOUT``; the first of them is not
-   loaded again by this worker for ``STALL_HOLD_S`` (it and the blocks after it fail at
-   once), so a copy that stalls costs one timeout, not one per request. Failed blocks are handed
-   to vLLM no later than the step that reports the request (vLLM's contract).
+   load). ``plan.async_loads`` are issued and left running, tracked by ``loads.py``
+   (deadlines ``load_timeout_s``, the stall hold ``STALL_HOLD_S``, the idle wait
+   ``IDLE_WAIT_S``): ``finished_loads()`` (called after every step, forward or not)
+   reports each request whose load ended, after scattering its good blocks and
+   recording its failed ones (a load past its deadline is cancelled, its unfinished
+   blocks fail as ``TIMEOUT``). Failed blocks are handed to vLLM no later than the step
+   that reports the request (vLLM's contract).
    Synchronous loads: whole-request mode loads every planned block and returns when
    the bytes are in place; layer-wise mode issues one load per
    layer and ``wait_layer(name)`` (called by each attention layer) waits for its own.
@@ -35,15 +34,23 @@ Call order per engine step (vLLM's model runner drives it):
    their source blocks, for vLLM to free. ``preempted(ids)`` waits for such dumps before
    vLLM reuses a preempted request's blocks.
 
+Waits on a dump's source blocks (``preempted``; ``transient`` dumps, below) last at most
+``load_timeout_s``: a dump still holding them then is cancelled (the store's cancel
+guarantees it reads them no more) and its unfinished blocks fail as ``TIMEOUT``, a
+future miss; nothing hangs. A failed dump is logged once (until dumps succeed again)
+with the store's per-block reasons (``2 timeout, 1 failed``) and counted in
+``save_failed_blocks``.
+
 Several KV cache groups (``groups``: each group's layer names, vLLM's hybrid manager):
-each group gets its own :class:`KVLayout`, store and Delegator over its layers (views of
-one allocation: memory is made addressable once), and a transfer goes to its group's,
-with the group stamped into its ids. Such engines load asynchronously only: a request
-whose load failed in any group is reported by ``failed_loads()`` (with
-``finished_loads()``), and ``failed_blocks()`` stays empty (vLLM takes no block-level
-failures there). Dumps of ``transient`` transfers (sliding-window blocks, which vLLM
-frees while the request runs) are waited on until they released their source blocks
-before ``wait_for_save`` returns. Layer-wise mode is refused by the connector.
+each group gets its own :class:`KVLayout` (``hybrid.group_layouts``), store and Delegator
+over its layers (views of one allocation: memory is made addressable once), and a
+transfer goes to its group's, with the group stamped into its ids. Such engines load
+asynchronously only: a request whose load failed in any group is reported by
+``failed_loads()`` (with ``finished_loads()``), and ``failed_blocks()`` stays empty (vLLM
+takes no block-level failures there). Dumps of ``transient`` transfers (sliding-window
+blocks, which vLLM frees while the request runs) are waited on until they released their
+source blocks before ``wait_for_save`` returns. Layer-wise mode is refused by the
+connector.
 
 Ranks: a worker stamps its TP rank into the ids (each rank stores its own heads). MLA:
 every rank holds the same latent KV, so all use rank 0's ids and only rank 0 dumps.
@@ -55,7 +62,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -66,7 +72,10 @@ from kvfabric.platform.types import Medium
 from kvfabric.status import wait_or_cancel
 from kvfabric.ucm_layer import hashing
 from kvfabric.ucm_layer.connector.config import ConnectorConfig
-from kvfabric.ucm_layer.connector.metrics import StatsWindow
+from kvfabric.ucm_layer.connector.hybrid import group_layouts
+from kvfabric.ucm_layer.connector.loads import IDLE_WAIT_S as IDLE_WAIT_S
+from kvfabric.ucm_layer.connector.loads import STALL_HOLD_S, AsyncLoads, LoadEnd
+from kvfabric.ucm_layer.connector.metrics import StatsWindow, describe_reasons, failure_reasons
 from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
 from kvfabric.ucm_layer.connector.repair import LoadFailures
 from kvfabric.ucm_layer.connector.tracing import Tracer
@@ -77,10 +86,6 @@ from kvfabric.ucm_layer.store.base import BlockStatus, Store, StoreLayout
 log = logging.getLogger("kvfabric.connector")
 
 StoreFactory = Callable[[StoreLayout], Store]
-#: longest an idle step waits for an async load to end (see ``StepPlan.idle``)
-IDLE_WAIT_S = 0.02
-#: how long a block whose async load timed out is not loaded again by this worker
-STALL_HOLD_S = 300.0
 
 
 def _raw_storage(t: Any) -> Any:
@@ -88,17 +93,6 @@ def _raw_storage(t: Any) -> Any:
     import torch
 
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-
-@dataclass
-class _AsyncLoad:
-    """An asynchronous load in flight: its op, its request's blocks, when it must end."""
-
-    op: LoadOp
-    transfer: Transfer
-    deadline: float  # time.monotonic()
-    started: float  # time.perf_counter()
-    start_ns: int
 
 
 class WorkerSide:
@@ -134,17 +128,13 @@ class WorkerSide:
         self.groups = tuple(groups) if len(groups) > 1 else ()
         self.stores: list[Store] = []  # one per KV cache group (the same store when alike)
         self.delegators: list[Delegator] = []  # one per KV cache group
-        self._failed_reqs: set[str] = set()  # several groups: requests whose async load failed
         self._wrapped: list[Any] = []
         self._layer_index: dict[str, int] = {}
         self._layer_loads: dict[int, tuple[LoadOp, np.ndarray, float]] = {}
         self._layer_dump_rows: tuple[np.ndarray, np.ndarray, list[Transfer]] | None = None
         self._dumps: dict[str, list[DumpOp]] = {}
         self._awaiting: set[str] = set()
-        self._async: dict[tuple[str, int], _AsyncLoad] = {}  # by (request, group)
-        self._loaded: set[str] = set()  # async loads that ended at issue (reported next)
-        self._idle = False  # the current plan has no request computing (StepPlan.idle)
-        self._stalled: dict[bytes, float] = {}  # tagged id -> until when its loads fail at once
+        self._async = AsyncLoads(cfg.load_timeout_s, self._tag, multi_group=bool(self.groups))
         self._failures = LoadFailures()
         self._load_trouble = False
         self._save_trouble = False
@@ -164,13 +154,10 @@ class WorkerSide:
         if self.layout is not None:
             raise ValueError("register was already called for this worker")
         if self.groups:
-            missing = [n for names in self.groups for n in names if n not in kv_caches]
-            if missing:
-                raise ValueError(f"kvfabric: no KV cache tensors for the layers {missing}")
-            ordered = {n: kv_caches[n] for names in self.groups for n in names}
-            layout = layout_from_tensors(ordered, num_blocks, block_strides)
+            layout, layouts = group_layouts(kv_caches, self.groups, num_blocks, block_strides)
         else:
             layout = layout_from_tensors(kv_caches, num_blocks, block_strides)
+            layouts = [layout]
         self._check_layout(layout)
         seen: set[int] = set()
         on_host = True
@@ -187,13 +174,6 @@ class WorkerSide:
                 )
                 self._wrapped.append(self.platform.wrap(raw, medium))
         self.cfg = self.cfg.resolved(on_host)  # the connector resolved it already; direct users too
-        if self.groups:
-            layouts = [
-                layout_from_tensors({n: kv_caches[n] for n in names}, num_blocks, block_strides)
-                for names in self.groups
-            ]
-        else:
-            layouts = [layout]
         for part in layouts:
             store = self._store_factory(
                 Delegator.store_layout(part, bool(self.cfg.delegator), self.cfg.layerwise)
@@ -260,7 +240,7 @@ class WorkerSide:
     def start_load(self, plan: StepPlan) -> None:
         self._layer_loads.clear()
         self._failures.begin(plan)
-        self._idle = plan.idle
+        self._async.begin(plan.idle)
         for t in plan.async_loads:
             self._start_async(t)
         if not plan.loads or self.delegator is None or not self.can_load:
@@ -289,109 +269,54 @@ class WorkerSide:
     def _start_async(self, t: Transfer) -> None:
         delegator = self._group_delegator(t.group)
         if self.groups and t.blocks.size == 0:  # nothing of this group to load
-            self._loaded.add(t.req_id)
+            self._async.ended(t.req_id)
             return
         if delegator is None or not self.can_load:
             self._load_failed(t.blocks, "the worker has no store to load from", req_id=t.req_id)
-            self._loaded.add(t.req_id)
+            self._async.ended(t.req_id)
             return
-        t = self._unstalled(t)
+        t, held = self._async.hold(t)
+        if held.blocks.size:
+            self._load_failed(
+                held.blocks,
+                f"{held.blocks.size} blocks from one whose load timed out within {STALL_HOLD_S:g} s",
+                np.full(held.blocks.size, BlockStatus.TIMEOUT, np.int8),
+                req_id=t.req_id,
+            )
         if t.blocks.size == 0:
-            self._loaded.add(t.req_id)
+            self._async.ended(t.req_id)
             return
         try:
             op = delegator.load(self._tag(t.ids, t.group), t.blocks)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
             self._load_failed(t.blocks, f"{type(e).__name__}: {e}", req_id=t.req_id)
-            self._loaded.add(t.req_id)
+            self._async.ended(t.req_id)
             return
-        self._async[(t.req_id, t.group)] = _AsyncLoad(
-            op, t, time.monotonic() + self.cfg.load_timeout_s, time.perf_counter(), time.time_ns()
-        )
-
-    def _unstalled(self, t: Transfer) -> Transfer:
-        """``t`` up to its first block whose load timed out here within ``STALL_HOLD_S``: that
-        block and those after it fail at once (``TIMEOUT``, vLLM computes them), so a store
-        copy that stalls costs one timeout, not one per request that shares the prefix (the
-        store keeps the copy: a timeout says nothing against its bytes, and a dump of the
-        recomputed block does not replace it)."""
-        if not self._stalled:
-            return t
-        now = time.monotonic()
-        self._stalled = {k: until for k, until in self._stalled.items() if until > now}
-        tagged = self._tag(t.ids, t.group)
-        first = next((i for i, row in enumerate(tagged) if row.tobytes() in self._stalled), None)
-        if first is None:
-            return t
-        rest = t.blocks[first:]
-        self._load_failed(
-            rest,
-            f"{rest.size} blocks from one whose load timed out within {STALL_HOLD_S:g} s",
-            np.full(rest.size, BlockStatus.TIMEOUT, np.int8),
-            req_id=t.req_id,
-        )
-        return replace(t, ids=t.ids[:first], blocks=t.blocks[:first])
-
-    def _note_stalls(self, t: Transfer, status: np.ndarray) -> None:
-        timed_out = np.flatnonzero(status == BlockStatus.TIMEOUT)
-        if timed_out.size:
-            until = time.monotonic() + STALL_HOLD_S
-            for row in self._tag(t.ids[timed_out[:1]], t.group):  # the first: vLLM computes from it
-                self._stalled[row.tobytes()] = until
+        self._async.track(t, op)
 
     def finished_loads(self) -> set[str]:
         """Requests whose asynchronous load ended (well or not, in every group) since the
         last call; their failed blocks are in ``failed_blocks()`` from now on (several
         groups: the requests are in ``failed_loads()``)."""
-        done, self._loaded = self._loaded, set()
-        if self._idle and self._async and not done:
-            self._await_any(IDLE_WAIT_S)
-        now = time.monotonic()
-        for key, a in list(self._async.items()):
-            finished = a.op.check()
-            if not finished and now < a.deadline:
-                continue
-            del self._async[key]
-            req_id = key[0]
-            done.add(req_id)
-            blocks = a.transfer.blocks
-            try:  # done: scatter the good blocks; past the deadline: cancel what is left
-                status = wait_or_cancel(a.op, None if finished else 0.0)
-            except Exception as e:  # noqa: BLE001 - a failed load is a recompute
-                self._load_failed(blocks, f"{type(e).__name__}: {e}", req_id=req_id)
-                continue
-            delegator = self._group_delegator(a.transfer.group)
-            assert delegator is not None
-            secs = time.perf_counter() - a.started
-            if not finished:
-                self._note_stalls(a.transfer, status)
-            self._load_done(blocks, status, secs, delegator.layout.block_bytes, req_id=req_id)
-            self._spans("kvfabric.load", [a.transfer], status, a.start_ns)
-        if self.groups:  # a request ends once every group's load did
-            running = {r for r, _ in self._async}
-            self._loaded = done & running
-            done -= running
+        done, ends = self._async.collect()
+        for end in ends:
+            self._load_ended(end)
         return done
 
-    def _await_any(self, seconds: float) -> None:
-        """Sleep in short slices until an async load is done or past its deadline, for at
-        most ``seconds`` (an idle step: no forward waits on this worker meanwhile)."""
-        end = time.monotonic() + seconds
-        while True:
-            now = time.monotonic()
-            if now >= end or any(a.op.check() or now >= a.deadline for a in self._async.values()):
-                return
-            time.sleep(0.0002)
+    def _load_ended(self, end: LoadEnd) -> None:
+        t = end.transfer
+        if end.status is None:
+            self._load_failed(t.blocks, end.error, req_id=t.req_id)
+            return
+        delegator = self._group_delegator(t.group)
+        assert delegator is not None
+        self._load_done(t.blocks, end.status, end.secs, delegator.layout.block_bytes, req_id=t.req_id)
+        self._spans("kvfabric.load", [t], end.status, end.start_ns)
 
     def failed_loads(self) -> set[str]:
         """Several groups: requests whose asynchronous load failed in some group, reported
         by ``finished_loads()`` (for vLLM's ``failed_recving``); each once."""
-        if not self._failed_reqs:
-            return set()
-        running = {r for r, _ in self._async} | self._loaded
-        out = self._failed_reqs - running
-        self._failed_reqs -= out
-        return out
+        return self._async.failed_requests()
 
     @property
     def loading(self) -> int:
@@ -464,8 +389,8 @@ class WorkerSide:
         """Remember ``blocks`` for vLLM to recompute and count them, by reason: their store
         ``status`` (None: the load raised, reason ``error``). A block that fails in several
         layers of one step counts once. Several groups: ``req_id``'s load failed."""
-        if self.groups and req_id is not None:
-            self._failed_reqs.add(req_id)
+        if req_id is not None:
+            self._async.failed(req_id)
         reasons = self._failures.record(blocks, status)
         self.stats.add(load_failed_blocks=sum(reasons.values()), **reasons)
         if not self._load_trouble:
@@ -527,8 +452,7 @@ class WorkerSide:
             if op is not None and any(t.transient for t in mine):
                 transient.append(op)
         for op in transient:
-            while not op.released():
-                time.sleep(0.0002)
+            self._await_release(op)
 
     def _start_dumps(
         self,
@@ -556,7 +480,12 @@ class WorkerSide:
     def _save_failed(self, n: int, why: str) -> None:
         self.stats.add(save_failed_blocks=n)
         if not self._save_trouble:
-            log.warning("kvfabric: storing KV blocks failed (%s); later requests will miss them", why)
+            log.warning(
+                "kvfabric: storing KV blocks in the store %r failed (%s); later requests will miss them. "
+                "Further failures are counted, not logged.",
+                self.cfg.store,
+                why,
+            )
             self._save_trouble = True
 
     def _reap(self, block: bool = False) -> None:
@@ -569,27 +498,50 @@ class WorkerSide:
                 if id(op) in seen or op.waited or not (block or op.check()):
                     continue
                 seen.add(id(op))
-                status = op.wait()
-                good = int((status == BlockStatus.OK).sum())
-                if good < status.size:
-                    self._save_failed(
-                        status.size - good, f"{status.size - good} of {status.size} blocks failed"
-                    )
-                elif self._save_trouble:
-                    self._save_trouble = False
-                per_block = getattr(op, "block_bytes", self.delegator.layout.block_bytes)
-                if op.layer is not None:
-                    per_block = self.delegator.layout.layer_bytes(op.layer)  # type: ignore[union-attr]
-                secs = time.perf_counter() - getattr(op, "started", time.perf_counter())
-                if op.layer in (None, 0):
-                    self.stats.add(saved_blocks=good)
-                self.stats.add(saved_bytes=good * per_block, save_s=secs)
+                self._settle(op, None)
+
+    def _settle(self, op: DumpOp, timeout: float | None) -> None:
+        """Wait for ``op`` (at most ``timeout``: the store then cancels what is left, as
+        ``TIMEOUT``) and count its blocks stored or failed, naming the store's reasons."""
+        try:
+            status = wait_or_cancel(op, timeout)
+        except Exception as e:  # noqa: BLE001 - a failed dump is a future miss
+            self._save_failed(op.num_blocks, f"{type(e).__name__}: {e}")
+            return
+        good = int((status == BlockStatus.OK).sum())
+        if good < status.size:
+            reasons = describe_reasons(failure_reasons(status))
+            self._save_failed(status.size - good, f"{status.size - good} of {status.size} blocks: {reasons}")
+        elif self._save_trouble:
+            self._save_trouble = False
+        assert self.delegator is not None
+        per_block = getattr(op, "block_bytes", self.delegator.layout.block_bytes)
+        if op.layer is not None:
+            per_block = self.delegator.layout.layer_bytes(op.layer)
+        secs = time.perf_counter() - getattr(op, "started", time.perf_counter())
+        if op.layer in (None, 0):
+            self.stats.add(saved_blocks=good)
+        self.stats.add(saved_bytes=good * per_block, save_s=secs)
+
+    def _await_release(self, op: DumpOp) -> bool:
+        """Wait until ``op`` released its source blocks, at most ``load_timeout_s``; past
+        it, cancel the op (its unfinished blocks fail as ``TIMEOUT``: a future miss) and
+        return False. The store's cancel guarantees that nothing reads the blocks after it."""
+        deadline = time.monotonic() + self.cfg.load_timeout_s
+        while not op.released():
+            if time.monotonic() >= deadline:
+                if not op.waited:
+                    self._settle(op, 0.0)
+                return False
+            time.sleep(0.0002)
+        return True
 
     def preempted(self, req_ids: set[str]) -> None:
+        """Wait for the dumps of preempted requests to release their blocks before vLLM
+        reuses them, each at most ``load_timeout_s`` (see ``_await_release``)."""
         for r in req_ids:
             for op in self._dumps.get(r, []):
-                while not op.released():
-                    time.sleep(0.0005)
+                self._await_release(op)
 
     def finished(self) -> set[str]:
         """Requests of earlier ``plan.finished`` whose dumps released their blocks."""
@@ -607,12 +559,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        for a in self._async.values():  # nothing may write the KV cache after close
-            try:
-                wait_or_cancel(a.op, 0.0)
-            except Exception:  # noqa: BLE001 - closing anyway
-                pass
-        self._async.clear()
+        self._async.cancel_all()  # nothing may write the KV cache after close
         if self.delegator is not None:
             self._reap(block=True)
             for delegator in self.delegators:
