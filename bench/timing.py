@@ -30,28 +30,28 @@ class Timing:
     cpu_busy: float  # system-wide busy fraction during the measurement
 
 
+def _timed(f: Callable[[], Any], calls: list[float]) -> float:
+    """Seconds one call of ``f`` took, also appended to ``calls``."""
+    t0 = time.perf_counter()
+    f()
+    dt = time.perf_counter() - t0
+    calls.append(dt)
+    return dt
+
+
 def measure(ours: Sequence[Callable[[], Any]], base: Sequence[Callable[[], Any]], rounds: int) -> Timing:
     for f in (*ours[:2], *base[:2]):  # warm the call paths
         f()
     a_rounds, b_rounds, a_calls, b_calls = [], [], [], []
     row0 = read_cpu_row()
     n = max(len(ours), len(base))
-    clock = time.perf_counter
     for _ in range(rounds):
         ta = tb = 0.0
         for i in range(n):  # call by call: A B A B, so both see the same moment's load
             if i < len(ours):
-                t0 = clock()
-                ours[i]()
-                dt = clock() - t0
-                a_calls.append(dt)
-                ta += dt
+                ta += _timed(ours[i], a_calls)
             if i < len(base):
-                t0 = clock()
-                base[i]()
-                dt = clock() - t0
-                b_calls.append(dt)
-                tb += dt
+                tb += _timed(base[i], b_calls)
         a_rounds.append(ta / len(ours))
         b_rounds.append(tb / len(base))
     busy = cpu_busy_fraction((row0, read_cpu_row()))

@@ -72,3 +72,34 @@ def request(
     if params is not None:
         sp.extra_args = {"kv_transfer_params": params}
     return Request(rid, tokens, sp, None, block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+def step(
+    sched: Any,
+    *,
+    invalid: set[int] | None = None,
+    sending: set[str] | None = None,
+    recving: set[str] | None = None,
+    failed: set[str] | None = None,
+) -> tuple[Any, Any, Any]:
+    """One engine step: ``schedule``, then the model output (one sampled token per
+    request) with the workers' report: ``invalid`` blocks whose load failed, requests
+    whose dumps released their blocks (``sending``), whose async load ended (``recving``)
+    or failed (``failed``, reported as ended too). Returns (the step's plan, the
+    ``SchedulerOutput``, the engine outputs)."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    mro = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] for _ in ids],
+        kv_connector_output=KVConnectorOutput(
+            invalid_block_ids=set(invalid or ()),
+            finished_sending=set(sending or ()) or None,
+            finished_recving=set(recving or ()) | set(failed or ()) or None,
+            failed_recving=set(failed or ()),
+        ),
+    )
+    return out.kv_connector_metadata.plan, out, sched.update_from_output(out, mro)

@@ -83,22 +83,7 @@ def _request(rid: str, tokens: list[int], max_tokens: int = 2):
 
 def _step(sched, store, *, sending=None, recving=None, failed=None):
     """One engine step with the worker's report; the plan's dumps count as stored."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-    out = sched.schedule()
-    plan = out.kv_connector_metadata.plan
-    ids = list(out.num_scheduled_tokens)
-    mro = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[7] for _ in ids],
-        kv_connector_output=KVConnectorOutput(
-            finished_sending=set(sending or ()) or None,
-            finished_recving=set(recving or ()) | set(failed or ()) or None,
-            failed_recving=set(failed or ()),
-        ),
-    )
-    sched.update_from_output(out, mro)
+    plan, out, _ = vllm_scheduler.step(sched, sending=sending, recving=recving, failed=failed)
     for t in plan.dumps:
         store.add(t.ids, t.group)
     return plan, out

@@ -77,24 +77,9 @@ def _step(
     sending: set[str] | None = None,
     recving: set[str] | None = None,
 ):
-    """One engine step: schedule, then the model output (one sampled token per request)
-    with the worker's report. The plan's dumps count as stored. Returns (plan, outputs)."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-    out = sched.schedule()
-    plan = out.kv_connector_metadata.plan
-    ids = list(out.num_scheduled_tokens)
-    mro = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[7] for _ in ids],
-        kv_connector_output=KVConnectorOutput(
-            invalid_block_ids=set(invalid or ()),
-            finished_sending=set(sending or ()) or None,
-            finished_recving=set(recving or ()) or None,
-        ),
-    )
-    outputs = sched.update_from_output(out, mro)
+    """One engine step (``vllm_scheduler.step``); the plan's dumps count as stored.
+    Returns (plan, outputs)."""
+    plan, _, outputs = vllm_scheduler.step(sched, invalid=invalid, sending=sending, recving=recving)
     for t in plan.dumps:
         store.add(t.ids)
     return plan, outputs
