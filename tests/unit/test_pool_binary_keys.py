@@ -82,6 +82,8 @@ def test_keys_are_any_bytes_but_the_reserved_prefix():
     assert encode_key(b"\x80\x00") == b"\x80\x00" and encode_key("é") == "é".encode()
     with pytest.raises(ValueError, match=r"keys\[1\]: .*reserved"):
         check_keys([b"ok", FENCE_PREFIX + b"1"])
+    with pytest.raises(ValueError, match="reserved"):  # a client refuses it before any RPC
+        encode_key(RESERVED_PREFIX + b"x")
 
 
 def test_the_service_refuses_a_bad_raw_request_whole(dispatcher):
