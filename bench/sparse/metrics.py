@@ -10,7 +10,11 @@ For one method on one set of decode queries ``q (S, H, G, D)`` over keys/values
 * ``out_err``: ``|o_sparse - o_dense| / mean_j |v_j|`` (L2 norms) per query head;
 * ``needle_hit``: the fraction of planted needles every block of which is selected;
 * stale recalls: the selection made at step ``t`` evaluated on the query of ``t + s``;
-* bytes: summaries read + selected K and V blocks, as a fraction of dense K and V.
+* bytes: summaries read + selected K and V blocks, as a fraction of dense K and V;
+* cost: ``select_s``, the median over steps of one decode step's selection time (the
+  scorer's scores for every query head of the step, then the top-k at the budget; each the
+  least of 3 timings), and the summary's
+  bytes per (KV head, block) next to that block's K and V bytes (``summary_vs_kv``).
 
 Figures are medians and 10th percentiles over (KV head, query head, step).
 """
@@ -18,24 +22,30 @@ Figures are medians and 10th percentiles over (KV head, query head, step).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from kvfabric.ucm_layer.sparse.attention import attend, block_mask, gather_blocks
 from kvfabric.ucm_layer.sparse.scorer import make_scorer
-from kvfabric.ucm_layer.sparse.selection import SelectionConfig, forced_blocks, lens_of, top_free
+from kvfabric.ucm_layer.sparse.selection import SelectionConfig, forced_blocks, lens_of, select_free
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method in the harness: its label, scorer name and scorer options."""
+    """A method in the harness: its label, scorer name and scorer options; ``default``
+    marks the configuration a plugin of that name runs with when given no options."""
 
     label: str
     scorer: str
     options: Mapping[str, Any] | None = None
+    default: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,9 @@ class Quality:
     recall_stale3: float
     summary_numbers: float
     bytes_frac: float
+    select_s: float = float("nan")  # one step's selection (scores + top-k), median
+    summary_bytes_per_block: float = float("nan")  # per (KV head, block)
+    summary_vs_kv: float = float("nan")  # the same over that block's K and V bytes
 
 
 def block_mass(p: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -65,25 +78,22 @@ def block_mass(p: torch.Tensor, block_size: int) -> torch.Tensor:
     return p.reshape(h, g, -1, block_size).sum(-1)
 
 
-def _free_topk(
-    score: torch.Tensor,
-    nb: int,
-    k: int,
-    sel: SelectionConfig,
-    priority: torch.Tensor | None = None,
-    share: float = 0.0,
-) -> torch.Tensor:
-    sink, recent = forced_blocks(nb, sel)
-    free = k - sink - recent
-    prio = None if priority is None else priority[:, sink : nb - recent]
-    return top_free(score[:, sink : nb - recent], free, sel, prio, share) + sink
-
-
 def _recall(bm: torch.Tensor, free_idx: torch.Tensor, nb: int, sel: SelectionConfig) -> torch.Tensor:
     sink, recent = forced_blocks(nb, sel)
     total = bm[:, :, sink : nb - recent].sum(-1).clamp(min=1e-30)
     idx = free_idx.unsqueeze(1).expand(-1, bm.shape[1], -1)
     return bm.gather(2, idx).sum(-1) / total
+
+
+def _timed(fn: Callable[[], T], reps: int = 3) -> tuple[T, float]:
+    """``fn()`` and the least of ``reps`` wall times (the least is the one other work on a
+    shared machine disturbed the least)."""
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
 
 
 def _pct(x: torch.Tensor, q: float) -> float:
@@ -118,19 +128,28 @@ def evaluate(
         torch.softmax(torch.matmul(q[s], k.transpose(1, 2)) / math.sqrt(d), dim=-1) for s in range(steps)
     ]
     masses = [block_mass(p, block_size) for p in probs]
-    scores = [scorer.select_scores(q[s]) for s in range(steps)]
+    scores, score_s = [], []
+    for s in range(steps):
+        got, took = _timed(lambda s=s: scorer.select_scores(q[s]))
+        scores.append(got)
+        score_s.append(took)
     out = []
     for budget in budgets:
         sel = SelectionConfig(budget_tokens=budget, sink_blocks=sink_blocks, recent_blocks=recent_blocks)
         kb = sel.num_selected(n, block_size)
         sink, recent = forced_blocks(nb, sel)
-        recalls, oracles, errs, hits, picks = [], [], [], [], []
+        recalls, oracles, errs, hits, picks, select_s = [], [], [], [], [], []
         for s in range(steps):
             bm = masses[s]
-            free = _free_topk(scores[s][0], nb, kb, sel, scores[s][1], scorer.priority_share)
+            free, took = _timed(
+                lambda s=s, kb=kb, sel=sel: select_free(
+                    scores[s][0], nb, kb, sel, priority=scores[s][1], share=scorer.priority_share
+                )
+            )
+            select_s.append(score_s[s] + took)
             picks.append(free)
             recalls.append(_recall(bm, free, nb, sel))
-            oracles.append(_recall(bm, _free_topk(bm.sum(1), nb, kb, sel), nb, sel))
+            oracles.append(_recall(bm, select_free(bm.sum(1), nb, kb, sel), nb, sel))
             table = torch.cat(
                 [torch.arange(sink).expand(h, sink), free, torch.arange(nb - recent, nb).expand(h, recent)], 1
             )
@@ -164,6 +183,9 @@ def evaluate(
                 recall_stale3=stale[3],
                 summary_numbers=scorer.numbers_per_block,
                 bytes_frac=(summary + kb * block_size * d * 2 * 4) / (2.0 * n * d * 4),
+                select_s=statistics.median(select_s),
+                summary_bytes_per_block=scorer.summary_bytes_per_block,
+                summary_vs_kv=scorer.summary_bytes_per_block / (2.0 * block_size * d * 4),
             )
         )
     return out

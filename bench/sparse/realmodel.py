@@ -28,16 +28,18 @@ from kvfabric.bench.sparse.synthetic import query_similarity
 from kvfabric.harness.sparse.passkey import Passkey, answer, digits, kl_div, passkey_prompt, prefill
 
 #: (label, plugin name, scorer name, plugin options, block size) measured on SmolLM2
+#: (``gsa``, no options, block size 16: GSA's defaults, rank 16 of SmolLM2's 64 dimensions)
 REAL_METHODS = (
     ("oracle", "oracle", "oracle", {}, 16),
-    ("gsa-r16", "gsa", "gsa", {"rank": 16}, 16),
-    ("gsa-r16-bound", "gsa", "gsa", {"rank": 16, "select": "bound"}, 16),
+    ("gsa", "gsa", "gsa", {}, 16),
+    ("gsa-r16", "gsa", "gsa", {"rank": 16, "basis": "keys"}, 16),
+    ("gsa-r16-bound", "gsa", "gsa", {"rank": 16, "select": "bound", "basis": "keys"}, 16),
     ("gsa-r16-qk", "gsa", "gsa", {"rank": 16, "basis": "keys+queries", "query_weight": 0.25}, 16),
     ("quest", "quest", "quest", {}, 16),
     ("meankey", "meankey", "meankey", {}, 16),
     ("hata", "hata", "hata", {}, 16),
     ("oracle-bs8", "oracle", "oracle", {}, 8),
-    ("gsa-r16-bs8", "gsa", "gsa", {"rank": 16}, 8),
+    ("gsa-bs8", "gsa", "gsa", {}, 8),
     ("quest-bs8", "quest", "quest", {}, 8),
 )
 QUERY_WINDOW = 256  # the plugin's default query_window
@@ -135,6 +137,7 @@ def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> 
                 yield {
                     **base,
                     "method": label,
+                    "default": plugin == "gsa" and not opts and bs == 16,
                     "context": len(pk.ids),
                     "budget": budget,
                     "recall": round(qual.recall, 4),
@@ -188,7 +191,7 @@ def _offload_row(
             pk,
             cap,
             "gsa",
-            {"budget_tokens": budget, "min_seq_len": 0, "rank": 16, "offload": True},
+            {"budget_tokens": budget, "min_seq_len": 0, "offload": True},
             max_new=steps,
             store=store,
             platform=plat,
@@ -199,7 +202,7 @@ def _offload_row(
     dense_bytes = layers * hkv * len(pk.ids) * d * 2 * 4
     h2d = st.get("h2d_bytes", 0.0) / steps / dense_bytes
     return {
-        "method": "gsa-r16-offload",
+        "method": "gsa-offload",
         "context": len(pk.ids),
         "budget": budget,
         "recall": None,

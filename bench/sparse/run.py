@@ -1,12 +1,16 @@
 """``kvfabric bench gsa [--quick] [--json] [--out DIR] [--threads N]``.
 
-One row per (method, context, budget) with ``method, context, budget, recall,
+One row per (method, context, budget) with ``method, default, context, budget, recall,
 oracle_recall, recall_vs_oracle, out_err, needle_hit, bytes_frac, speedup_vs_dense``
-(plus ``case`` and details), in four cases:
+(plus ``case`` and details; ``default`` is true on the rows of GSA's default
+configuration, what ``create("gsa", ...)`` runs with no options), in four cases:
 
 * ``synthetic``: every method on the calibrated synthetic workload (its statistics are
-  printed first), at several contexts and budgets; ``speedup_vs_dense`` is the timed
-  decode-attention step of that method's scorer next to dense on the same tensors;
+  printed first), at several contexts and budgets; the cost of each method next to the
+  oracle's and dense's in the same run: ``select_ms`` (one decode step's scoring and top-k)
+  and ``select_vs_oracle``, ``summary_bytes_per_block`` and ``summary_vs_kv`` (over the
+  block's K and V bytes); ``speedup_vs_dense`` (default rows) is the timed
+  decode-attention step of GSA's default scorer next to dense on the same tensors;
 * ``needles``: the needle hit rate of GSA's variants, Quest and the oracle with 1 to 8
   needles of both kinds up to the largest context;
 * ``speed``: the GSA step's components (scoring, top-k, gather, attention) at 8K, 32K and
@@ -38,29 +42,33 @@ QK = {"basis": "keys+queries", "query_weight": 0.25}
 #: prompt tokens whose queries the scorers see (the plugin's ``query_window`` default)
 QUERY_WINDOW = 256
 
+KEYS = {"basis": "keys"}
 METHODS = (
     MethodSpec("oracle", "oracle"),
-    MethodSpec("gsa-r16", "gsa", {"rank": 16}),  # the defaults: select="mixed", keys basis
-    MethodSpec("gsa-r16-bound", "gsa", {"rank": 16, "select": "bound"}),  # ranked by the bound
+    # GSA's defaults: rank head_dim / 4 (32 here), keys+queries basis (query_weight 0.35), mixed
+    MethodSpec("gsa", "gsa", {}, default=True),
+    MethodSpec("gsa-r16", "gsa", {"rank": 16, **KEYS}),  # the defaults before: keys basis
+    MethodSpec("gsa-r16-bound", "gsa", {"rank": 16, "select": "bound", **KEYS}),  # ranked by the bound
     MethodSpec("gsa-r16-qk", "gsa", {"rank": 16, **QK}),
     MethodSpec("gsa-r32-qk", "gsa", {"rank": 32, **QK}),
     MethodSpec("gsa-r63-qk", "gsa", {"rank": 63, **QK}),  # 127 numbers: mean key's size
-    MethodSpec("gsa-r64", "gsa", {"rank": 64}),
+    MethodSpec("gsa-r64", "gsa", {"rank": 64, **KEYS}),
     MethodSpec("quest", "quest"),
     MethodSpec("meankey", "meankey"),
     MethodSpec("hata", "hata"),
 )
-NEEDLE_METHODS = ("oracle", "gsa-r16", "gsa-r16-bound", "gsa-r16-qk", "gsa-r32-qk", "quest")
+NEEDLE_METHODS = ("oracle", "gsa", "gsa-r16", "gsa-r16-bound", "gsa-r16-qk", "gsa-r32-qk", "quest")
 
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _row(case: str, q: Quality, speedup: float | None, **extra: Any) -> dict[str, Any]:
+def _row(case: str, m: MethodSpec, q: Quality, speedup: float | None, **extra: Any) -> dict[str, Any]:
     return {
         "case": case,
         "method": q.method,
+        "default": m.default,
         "context": q.context,
         "budget": q.budget,
         "recall": round(q.recall, 4),
@@ -75,6 +83,9 @@ def _row(case: str, q: Quality, speedup: float | None, **extra: Any) -> dict[str
         "recall_stale1": round(q.recall_stale1, 4),
         "recall_stale3": round(q.recall_stale3, 4),
         "summary_numbers": q.summary_numbers,
+        "summary_bytes_per_block": q.summary_bytes_per_block,
+        "summary_vs_kv": round(q.summary_vs_kv, 4),
+        "select_ms": round(q.select_s * 1e3, 3),
         **extra,
     }
 
@@ -82,19 +93,24 @@ def _row(case: str, q: Quality, speedup: float | None, **extra: Any) -> dict[str
 def _synthetic(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterator[dict[str, Any]]:
     speed: dict[tuple[int, int], float] = {}
     for n in contexts:
-        w = generate(SyntheticConfig(context=n, heads_per_type=1 if ctx.quick else 2, seed=n))
+        w = generate(SyntheticConfig(context=n, heads_per_type=2, seed=n))  # quick: the same 32K workload
         st = stats(w)
         _say(f"synthetic {n // 1024}K: " + ", ".join(f"{k}={v:.3f}" for k, v in st.items()))
         for t in time_steps(n, budgets, rounds=ctx.rounds):
             speed[(n, t.budget)] = t.speedup
-        for m in METHODS:
+        oracle_select: dict[int, float] = {}  # budget -> the oracle's selection time
+        for m in METHODS:  # the oracle first
             pq = w.recent_prompt_q(QUERY_WINDOW)
             for q in evaluate(m, w.q, w.k, w.v, budgets, needles=w.needles, prompt_q=pq):
-                sp = speed[(n, q.budget)] if m.scorer == "gsa" and m.options == {"rank": 16} else None
+                if m.scorer == "oracle":
+                    oracle_select[q.budget] = q.select_s
+                sp = speed[(n, q.budget)] if m.default else None
                 yield _row(
                     "synthetic",
+                    m,
                     q,
                     sp,
+                    select_vs_oracle=round(q.select_s / oracle_select[q.budget], 3),
                     top2pct_mass=round(st["top2pct_mass"], 3),
                     sink_mass=round(st["sink_mass"], 3),
                 )
@@ -112,7 +128,7 @@ def _needles(ctx: BenchContext, contexts: list[int]) -> Iterator[dict[str, Any]]
                 for m in methods:
                     pq = w.recent_prompt_q(QUERY_WINDOW)
                     (q,) = evaluate(m, w.q, w.k, w.v, [2048], needles=w.needles, prompt_q=pq)
-                    yield _row("needles", q, None, needles=k, needle_kind=kind)
+                    yield _row("needles", m, q, None, needles=k, needle_kind=kind)
 
 
 def _speed(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterator[dict[str, Any]]:
@@ -123,7 +139,8 @@ def _speed(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterat
         for t in timings:
             yield {
                 "case": "speed",
-                "method": "gsa-r16",
+                "method": "gsa",
+                "default": True,
                 "context": n,
                 "budget": t.budget,
                 "speedup_vs_dense": round(t.speedup, 2),

@@ -7,7 +7,8 @@ combination), top-k with the forced blocks, gather of the selected K and V block
 attention over them. Components and the whole step are timed separately, rounds
 interleaved with dense (ABAB), medians reported (and the quartiles of the per-round scoring
 share); the thread count is fixed by the caller. The scorer is GSA's default (``mixed``
-selection: one product for the estimate and the bound, a softmax and a max).
+selection: one product for the estimate and the bound, a softmax and a max; its basis fitted
+to the keys and random prompt queries, which changes what is selected, not what it costs).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def time_steps(
     group: int = 4,
     head_dim: int = 128,
     block_size: int = 16,
-    rank: int = 16,
+    rank: int | None = None,
     rounds: int = 5,
     seed: int = 0,
     options: dict[str, Any] | None = None,
@@ -78,7 +79,7 @@ def time_steps(
     scorer = SvdMaxNormScorer(
         num_kv_heads, head_dim, block_size, rank=rank, basis_tokens=8192, **(options or {})
     )
-    scorer.fit(kd)
+    scorer.fit(kd, torch.randn((num_kv_heads, 256 * group, head_dim), generator=gen))
     share = scorer.priority_share
 
     def select(k: int, sel: SelectionConfig) -> torch.Tensor:

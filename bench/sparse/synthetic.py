@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfabric.harness.sparse.rope import apply_rope, rope_tables
+from kvfabric.settings import coerce_fields, setting
 
 
 class HeadType(enum.Enum):
@@ -48,38 +49,35 @@ _PROFILE = {
 
 @dataclass(frozen=True)
 class SyntheticConfig:
-    context: int = 32768
-    head_dim: int = 128
-    group: int = 4
-    heads_per_type: int = 2
-    steps: int = 4
-    needles: int = 4
-    span_len: int = 24
-    distractors: int = 16
-    distractor_spans: int = 4
-    needle_mass: float = 0.6  # total mass of a retrieval head's needles
-    drift: float = 0.02  # fraction of the query's variance replaced per step
-    rope_base: float = 500000.0
-    seed: int = 0
+    """The workload's shape and statistics (each key checked like every kvfabric config)."""
+
+    context: int = setting(32768, lo=1024, doc="tokens in the KV cache")
+    head_dim: int = setting(128, lo=2, doc="an even head dimension")
+    group: int = setting(4, lo=1, doc="query heads per KV head")
+    heads_per_type: int = setting(2, lo=1, doc="KV heads of each head type")
+    steps: int = setting(4, lo=1, doc="decode steps (queries) per head")
+    needles: int = setting(4, lo=1, hi=64, doc="single-token needles per retrieval head")
+    span_len: int = setting(24, lo=1, hi=63, doc="tokens of the span needle and the distractor spans")
+    distractors: int = setting(16, lo=0, doc="isolated distractors per retrieval head")
+    distractor_spans: int = setting(4, lo=0, doc="distractor spans per retrieval head")
+    needle_mass: float = setting(0.6, gt=0, hi=1, doc="total mass of a retrieval head's needles")
+    drift: float = setting(0.02, lo=0, hi=1, doc="fraction of the query's variance replaced per step")
+    rope_base: float = setting(500000.0, gt=0, doc="RoPE base")
+    seed: int = setting(0, doc="seed of every random draw")
     # prompt queries (what a prefill gives the scorer): offset and per-token fluctuation
     # around the head's persistent query, calibrated on SmolLM2's captured queries (see stats)
-    prompt_offset: float = 1.9
-    prompt_noise: float = 0.4
+    prompt_offset: float = setting(1.9, lo=0, doc="prompt queries: the offset shared by the prompt")
+    prompt_noise: float = setting(0.4, lo=0, doc="prompt queries: the per-token fluctuation")
     # "query": needles and distractors are moved along the head's mean query direction (a
     # direction keys need not vary along); "keys": along that direction's projection on the
     # keys' top principal directions (a needle key that is an ordinary key of the head,
     # as keys made by the model's own projection are)
-    needle_kind: str = "query"
+    needle_kind: str = setting("query", choices=("query", "keys"), doc="how needles are planted")
 
     def __post_init__(self) -> None:
-        if self.context < 1024:
-            raise ValueError(f"context must be >= 1024 tokens, got {self.context}")
-        if not 1 <= self.needles <= 64:
-            raise ValueError(f"needles must be in [1, 64], got {self.needles}")
-        if self.needle_kind not in ("query", "keys"):
-            raise ValueError(f"needle_kind must be 'query' or 'keys', got {self.needle_kind!r}")
-        if self.head_dim % 2 or self.group < 1 or self.heads_per_type < 1 or self.steps < 1:
-            raise ValueError("head_dim must be even; group, heads_per_type and steps >= 1")
+        coerce_fields(self, lambda key: f"synthetic workload {key}")
+        if self.head_dim % 2:
+            raise ValueError(f"synthetic workload head_dim={self.head_dim}: expected an even number")
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,7 @@ def test_quest_bound_holds_and_scorer_arguments_are_checked():
         make_scorer("nope", 2, 16, 8)
     with pytest.raises(ValueError, match="rank"):
         make_scorer("gsa", 2, 16, 8, rank=17)
-    with pytest.raises(ValueError, match="bad options"):
+    with pytest.raises(ValueError, match=r"unknown quest scorer option\(s\) \[.rank.\]; known: \[\]"):
         make_scorer("quest", 2, 16, 8, rank=3)
     with pytest.raises(ValueError, match="keys must be"):
         s.fit(torch.zeros(3, 10, 16))

@@ -74,10 +74,15 @@ def test_metrics_oracle_full_budget_and_methods(work):
         prompt_q=work.prompt_q,
     )[0]
     assert 0.0 < qk.recall <= 1.0
-    with pytest.raises(ValueError, match="prompt's queries"):
-        evaluate(
-            MethodSpec("gsa-qk", "gsa", {"rank": 8, "basis": "keys+queries"}), work.q, work.k, work.v, [256]
-        )
+    # no prompt queries: the query-aware basis is the keys' basis
+    (no_q,) = evaluate(MethodSpec("gsa-qk", "gsa", {"rank": 8}), work.q, work.k, work.v, [256])
+    (keys,) = evaluate(
+        MethodSpec("gsa-k", "gsa", {"rank": 8, "basis": "keys"}), work.q, work.k, work.v, [256]
+    )
+    assert no_q.recall == keys.recall == rows[0].recall
+    # the cost next to the oracle's: selection time, summary bytes against the block's K and V
+    assert qk.select_s > 0.0 and qk.summary_bytes_per_block == 17 * 4.0
+    assert qk.summary_vs_kv == pytest.approx(17 * 4.0 / (2 * 16 * 64 * 4))
     quest = evaluate(MethodSpec("quest", "quest"), work.q, work.k, work.v, [256])[0]
     mean = evaluate(MethodSpec("meankey", "meankey"), work.q, work.k, work.v, [256])[0]
     assert quest.summary_numbers == 128 and mean.summary_numbers == 64

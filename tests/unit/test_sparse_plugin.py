@@ -3,6 +3,8 @@ replaced and restored block tables, the adaptive switch, reuse, configuration er
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tiny_llama import tiny_llama
@@ -184,3 +186,54 @@ def test_configuration_is_validated_at_start():
         base.ALGORITHMS.unregister("gsa2")
     with pytest.raises(ValueError, match="unknown request"):
         frac.build_sparse_meta(StepBatch(("x",), (10,), (1,)), None)
+
+
+def test_configuration_is_the_settings_language():
+    """Every key typed and ranged (text converted as in a YAML file or a flag), an unknown
+    key refused with the list of the known ones, a bad value an error naming its key."""
+    spec = ModelSpec(2, 4, 2, 16, 8)
+    plugin = create(
+        "gsa",
+        spec,
+        {
+            "budget_tokens": "64",
+            "select_ahead": "yes",
+            "dense_layers": ["1"],
+            "rank": "4",
+            "allocation": "Layer",
+        },
+    )
+    assert plugin.cfg.selection.budget_tokens == 64 and plugin.cfg.selection.allocation == "layer"
+    assert plugin.cfg.select_ahead is True and plugin.cfg.dense_layers == (1,)
+    assert plugin.cfg.scorer_options == {"rank": "4"}  # the scorer converts it
+    assert plugin.options.offload is False
+    with pytest.raises(ValueError) as e:
+        create("gsa", spec, {"rnak": 4})
+    for known in (
+        "budget_tokens",
+        "rank",
+        "query_weight",
+        "offload",
+        "cache_blocks",
+        "scorer",
+        "reuse_steps",
+    ):
+        assert repr(known) in str(e.value)
+    with pytest.raises(ValueError) as e:  # hata's own keys are listed
+        create("hata", spec, {"rank": 4})
+    assert "'bits'" in str(e.value) and "'seed'" in str(e.value) and "'query_weight'" not in str(e.value)
+    bad = {
+        "reuse_steps": (0, "reuse_steps=0: expected an integer >= 1"),
+        "select_ahead": ("maybe", "select_ahead='maybe': expected a boolean"),
+        "allocation": ("global", "allocation='global': expected one of head, layer"),
+        "head_cap": (0.5, "head_cap=0.5: expected a number >= 1"),
+        "budget_fraction": (1.5, "budget_fraction=1.5"),
+        "offload": ("perhaps", "offload='perhaps': expected a boolean"),
+        "query_weight": (2, "gsa scorer option query_weight=2: expected a number in [0, 1]"),
+        "select": ("best", "gsa scorer option select='best': expected one of bound, estimate, mixed"),
+    }
+    for key, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            create("gsa", spec, {key: value})
+    with pytest.raises(ValueError, match=re.escape("hata scorer option bits=0: expected an integer >= 1")):
+        create("hata", spec, {"bits": 0})

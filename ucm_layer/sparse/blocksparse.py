@@ -20,7 +20,7 @@ given a store, offload of unselected blocks with prefetch of the next step's sel
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -35,8 +35,8 @@ from kvfabric.ucm_layer.sparse.base import (
     UcmSparseBase,
 )
 from kvfabric.ucm_layer.sparse.gsa.policy import BlockSparseConfig, decide_modes
-from kvfabric.ucm_layer.sparse.scorer import BlockScorer, make_scorer
-from kvfabric.ucm_layer.sparse.selection import forced_blocks, lens_of, top_free
+from kvfabric.ucm_layer.sparse.scorer import BlockScorer, make_scorer, scorer_option_names
+from kvfabric.ucm_layer.sparse.selection import forced_blocks, lens_of, select_free
 
 
 def recent_queries(query: torch.Tensor, num_kv_heads: int, window: int) -> torch.Tensor:
@@ -74,18 +74,38 @@ class RequestState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Slot:
+    """One request of the step (batch index ``i``, ``seq`` tokens) in one layer: what the
+    subclass hooks ``place`` and ``ahead_selected`` are given."""
+
+    st: RequestState
+    layer: int
+    i: int
+    seq: int
+    kv: LayerKV
+    attn: AttentionMetadata
+
+
 class BlockSparseAttention(UcmSparseBase):
     """The generic block-sparse plugin (see the module docstring)."""
 
     name = "blocksparse"
     scorer_name = "gsa"
-    scorer_keys: tuple[str, ...] = ()
+    #: a frozen ``kvfabric.settings`` dataclass of the keys only this plugin reads (its
+    #: values in ``self.options``); None: none
+    plugin_options: type | None = None
 
     def __init__(self, model: ModelSpec, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(model, config)
         cfg = dict(self.config)
         self.scorer_name = cfg.pop("scorer", self.scorer_name)
-        self.cfg = BlockSparseConfig.from_mapping({**cfg, "scorer_keys": self.scorer_keys})
+        own = [f.name for f in fields(self.plugin_options)] if self.plugin_options is not None else []
+        picked = {k: cfg.pop(k) for k in own if k in cfg}
+        self.options = self.plugin_options(**picked) if self.plugin_options is not None else None
+        self.cfg = BlockSparseConfig.from_mapping(
+            cfg, scorer_option_names(self.scorer_name), also_known=("scorer", *own)
+        )
         bad = [x for x in self.cfg.dense_layers if x >= model.num_layers]
         if bad:
             raise ValueError(f"dense_layers {bad} out of range: the model has {model.num_layers} layers")
@@ -170,14 +190,12 @@ class BlockSparseAttention(UcmSparseBase):
     def _select_free(self, ls: LayerState, q: torch.Tensor, nb: int, k: int) -> torch.Tensor:
         """Top ``k - forced`` non-forced blocks ``(H, k_free)`` by the scorer's scores."""
         sink, recent = forced_blocks(nb, self.cfg.selection)
-        free = k - sink - recent
-        if free <= 0:
+        if k - sink - recent <= 0:
             return torch.empty((self.model.num_kv_heads, 0), dtype=torch.int64, device=q.device)
         ranking, priority = ls.scorer.select_scores(q)
-        mid = ranking[:, sink : nb - recent]
-        prio = None if priority is None else priority[:, sink : nb - recent]
-        idx = top_free(mid, free, self.cfg.selection, prio, ls.scorer.priority_share)
-        idx = torch.where(idx >= 0, idx + sink, idx)
+        idx = select_free(
+            ranking, nb, k, self.cfg.selection, priority=priority, share=ls.scorer.priority_share
+        )
         self._record_overlap(ls, idx, nb)
         self._counters["selections"] += 1.0
         return idx
@@ -232,6 +250,7 @@ class BlockSparseAttention(UcmSparseBase):
         attn: AttentionMetadata,
         meta: SparseMeta,
     ) -> None:
+        self.layer_starting(layer, key, value, kv, meta)
         batch = meta.batch
         hk, g, d = self.model.num_kv_heads, self.model.group_size, self.model.head_dim
         for i, (t0, t1) in enumerate(self._token_ranges(batch)):
@@ -246,26 +265,27 @@ class BlockSparseAttention(UcmSparseBase):
             logical = self.selection(ls, q, seq, meta.step)
             if self.cfg.selection.allocation == "layer":  # unused entries: block 0, no tokens
                 used = logical >= 0
-                table, lens = self.place(st, layer, logical.clamp(min=0), seq, kv, attn, i)
+                table, lens = self.place(Slot(st, layer, i, seq, kv, attn), logical.clamp(min=0))
                 lens = lens * used
             else:
-                table, lens = self.place(st, layer, logical, seq, kv, attn, i)
+                table, lens = self.place(Slot(st, layer, i, seq, kv, attn), logical)
             attn.replace(i, table, lens, int(logical.shape[1]) * self.model.block_size)
 
-    def place(
-        self,
-        st: RequestState,
-        layer: int,
-        logical: torch.Tensor,
-        seq: int,
-        kv: LayerKV,
-        attn: AttentionMetadata,
-        i: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_starting(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, kv: LayerKV, meta: SparseMeta
+    ) -> None:
+        """Hook for subclasses: the start of ``attention_begin`` (``key``/``value`` are the
+        step's new tokens, already in ``kv``)."""
+
+    def layer_finishing(self, layer: int, kv: LayerKV, attn: AttentionMetadata, meta: SparseMeta) -> None:
+        """Hook for subclasses: the start of ``attention_finished``, before ``attn`` is
+        restored (``attn.saved`` holds the engine's entries of the replaced requests)."""
+
+    def place(self, slot: Slot, logical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Physical blocks and valid lengths ``(H, k)`` for the selected logical blocks.
         Without offload every block is where the engine's table says."""
-        physical = attn.block_tables[i][0][logical]
-        return physical, lens_of(logical, seq, self.model.block_size)
+        physical = slot.attn.block_tables[slot.i][0][logical]
+        return physical, lens_of(logical, slot.seq, self.model.block_size)
 
     def attention_finished(
         self,
@@ -278,6 +298,7 @@ class BlockSparseAttention(UcmSparseBase):
         attn: AttentionMetadata,
         meta: SparseMeta,
     ) -> None:
+        self.layer_finishing(layer, kv, attn, meta)
         attn.restore()
         if not self.cfg.select_ahead:
             return
@@ -296,18 +317,9 @@ class BlockSparseAttention(UcmSparseBase):
             if k != ls.k:
                 continue
             ls.ahead = self._select_free(ls, query[t1 - 1].reshape(hk, g, d), nb, k)
-            self.ahead_selected(self._state(batch.request_ids[i]), layer, ls, seq, kv, attn, i)
+            self.ahead_selected(Slot(self._state(batch.request_ids[i]), layer, i, seq - 1, kv, attn), ls)
 
-    def ahead_selected(
-        self,
-        st: RequestState,
-        layer: int,
-        ls: LayerState,
-        seq: int,
-        kv: LayerKV,
-        attn: AttentionMetadata,
-        i: int,
-    ) -> None:
+    def ahead_selected(self, slot: Slot, ls: LayerState) -> None:
         """Hook for subclasses: ``ls.ahead`` was just chosen for the next step (prefetch it)."""
 
     def stats(self) -> dict[str, float]:
@@ -316,4 +328,4 @@ class BlockSparseAttention(UcmSparseBase):
         return out
 
 
-__all__ = ["BlockSparseAttention", "LayerState", "RequestState", "recent_queries"]
+__all__ = ["BlockSparseAttention", "LayerState", "RequestState", "Slot", "recent_queries"]

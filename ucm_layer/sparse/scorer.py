@@ -14,8 +14,9 @@ documentation says so (the oracle does).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,6 +30,9 @@ class BlockScorer(abc.ABC):
     name: str = "abstract"
     #: how ``scores`` combines the query heads of a group (see ``combine_group``)
     combine: str = "softmax"
+    #: the frozen ``kvfabric.settings`` dataclass of the keyword options the constructor
+    #: takes (checked there); None: it takes none
+    options: ClassVar[type | None] = None
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         for n, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("block_size", block_size)):
@@ -110,7 +114,8 @@ class BlockScorer(abc.ABC):
 
 
 class GrowingRows:
-    """A ``(H, capacity, width)`` tensor that doubles its capacity as blocks are added."""
+    """A ``(H, capacity, width)`` tensor (one row per block, or per token) that doubles its
+    capacity as rows are added."""
 
     def __init__(self, h: int, width: int, like: torch.Tensor, capacity: int = 64) -> None:
         self.data = torch.empty((h, max(capacity, 1), width), dtype=like.dtype, device=like.device)
@@ -265,7 +270,7 @@ def block_view(keys: torch.Tensor, block_size: int, fill: float) -> torch.Tensor
 
 
 #: scorer name -> "module:Class", imported on first use
-SCORERS: Registry[Any] = Registry(
+SCORERS: Registry[type[BlockScorer]] = Registry(
     "block scorer",
     {
         "gsa": "kvfabric.ucm_layer.sparse.gsa.summary:SvdMaxNormScorer",
@@ -274,16 +279,24 @@ SCORERS: Registry[Any] = Registry(
         "hata": "kvfabric.ucm_layer.sparse.baselines.hata:HataScorer",
         "oracle": "kvfabric.ucm_layer.sparse.baselines.oracle:OracleScorer",
     },
+    kind=BlockScorer,
 )
 
 
-def make_scorer(name: str, num_kv_heads: int, head_dim: int, block_size: int, **options: Any) -> BlockScorer:
-    """A fresh scorer registered as ``name`` (options are the class's keyword arguments)."""
+def scorer_option_names(name: str) -> tuple[str, ...]:
+    """The option keys of the scorer registered as ``name`` (its ``options`` fields)."""
     klass = SCORERS.load(name)
-    try:
-        return klass(num_kv_heads, head_dim, block_size, **options)
-    except TypeError as e:
-        raise ValueError(f"bad options for scorer {name!r}: {options!r} ({e})") from e
+    return tuple(f.name for f in dataclasses.fields(klass.options)) if klass.options is not None else ()
+
+
+def make_scorer(name: str, num_kv_heads: int, head_dim: int, block_size: int, **options: Any) -> BlockScorer:
+    """A fresh scorer registered as ``name``; ``options`` are its ``options`` fields (an
+    unknown key is a ``ValueError`` listing the known ones, a bad value one naming it)."""
+    known = scorer_option_names(name)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {name} scorer option(s) {unknown}; known: {sorted(known)}")
+    return SCORERS.load(name)(num_kv_heads, head_dim, block_size, **options)
 
 
 __all__ = [
@@ -295,4 +308,5 @@ __all__ = [
     "block_view",
     "edge_block_view",
     "make_scorer",
+    "scorer_option_names",
 ]

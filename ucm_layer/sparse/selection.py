@@ -14,44 +14,33 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfabric.settings import coerce_fields, setting
+
 
 @dataclass(frozen=True)
 class SelectionConfig:
-    """``budget_tokens`` (absolute) or ``budget_fraction`` (of the sequence) — exactly one."""
+    """``budget_tokens`` (absolute) or ``budget_fraction`` (of the sequence) — exactly one.
 
-    budget_tokens: int | None = 2048
-    budget_fraction: float | None = None
-    sink_blocks: int = 1
-    recent_blocks: int = 2
-    # "head": every KV head reads the budget; "layer": the KV heads of a layer share
-    # num_kv_heads x the budget, the free blocks going where the scores put the most mass,
-    # a head reading at most head_cap x its even share of free blocks
-    allocation: str = "head"
-    head_cap: float = 2.0
+    Written in kvfabric's configuration language (``kvfabric.settings``): each key is
+    checked against its type and range on construction, a bad value is a ``ValueError``
+    naming it."""
+
+    budget_tokens: int | None = setting(2048, gt=0, doc="tokens attended per KV head, forced blocks included")
+    budget_fraction: float | None = setting(None, gt=0, hi=1, doc="the budget as a share of the sequence")
+    sink_blocks: int = setting(1, lo=0, doc="first blocks always read")
+    recent_blocks: int = setting(2, lo=0, doc="last blocks always read")
+    allocation: str = setting(
+        "head",
+        choices=("head", "layer"),
+        doc="head: every KV head reads the budget; layer: the KV heads of a layer share "
+        "num_kv_heads x the budget, the free blocks going where the scores put the most mass",
+    )
+    head_cap: float = setting(2.0, lo=1, doc="layer allocation: a head reads at most this x its even share")
 
     def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"sparse configuration {key}")
         if (self.budget_tokens is None) == (self.budget_fraction is None):
             raise ValueError("give exactly one of budget_tokens and budget_fraction")
-        if self.budget_tokens is not None and (
-            isinstance(self.budget_tokens, bool)
-            or not isinstance(self.budget_tokens, int)
-            or self.budget_tokens <= 0
-        ):
-            raise ValueError(f"budget_tokens must be a positive int, got {self.budget_tokens!r}")
-        if self.budget_fraction is not None and not 0.0 < float(self.budget_fraction) <= 1.0:
-            raise ValueError(f"budget_fraction must be in (0, 1], got {self.budget_fraction!r}")
-        for name in ("sink_blocks", "recent_blocks"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.allocation not in ("head", "layer"):
-            raise ValueError(f"allocation must be 'head' or 'layer', got {self.allocation!r}")
-        if (
-            isinstance(self.head_cap, bool)
-            or not isinstance(self.head_cap, (int, float))
-            or self.head_cap < 1
-        ):
-            raise ValueError(f"head_cap must be a number >= 1, got {self.head_cap!r}")
 
     def budget_for(self, seq_len: int) -> int:
         if self.budget_tokens is not None:
@@ -63,6 +52,9 @@ class SelectionConfig:
         nb = -(-seq_len // block_size)
         k = max(self.budget_for(seq_len) // block_size, self.sink_blocks + self.recent_blocks)
         return min(k, nb)
+
+
+_PER_HEAD = SelectionConfig(budget_tokens=1, sink_blocks=0, recent_blocks=0)  # top_free per head
 
 
 def combine_group(scores: torch.Tensor, how: str, scale: float = 1.0) -> torch.Tensor:
@@ -104,15 +96,37 @@ def select_blocks(
     sink, recent = forced_blocks(nb, cfg)
     if k >= nb:
         return torch.arange(nb, device=dev).expand(h, nb)
+    return torch.cat(
+        [
+            torch.arange(sink, device=dev).expand(h, sink),
+            select_free(combined, nb, k, cfg, priority=priority, share=share, per_head=True),
+            torch.arange(nb - recent, nb, device=dev).expand(h, recent),
+        ],
+        dim=1,
+    )
+
+
+def select_free(
+    scores: torch.Tensor,
+    nb: int,
+    k: int,
+    cfg: SelectionConfig,
+    *,
+    priority: torch.Tensor | None = None,
+    share: float = 0.0,
+    per_head: bool = False,
+) -> torch.Tensor:
+    """The ``k - forced`` free blocks of a selection, as block indices ``(H, c)`` into
+    ``scores (H, >= nb)``: those between the forced sink and recent blocks that rank best by
+    ``scores`` (and ``priority``, see ``top_free``), by ``cfg.allocation`` unless
+    ``per_head``; entries a head does not use are -1; ``(H, 0)`` when nothing is free."""
+    sink, recent = forced_blocks(nb, cfg)
     free = k - sink - recent
-    parts = [torch.arange(sink, device=dev).expand(h, sink)]
-    if free > 0:
-        mid = combined[:, sink : nb - recent]
-        prio = None if priority is None else priority[:, sink : nb - recent]
-        head = SelectionConfig(budget_tokens=1, sink_blocks=0, recent_blocks=0)
-        parts.append(top_free(mid, free, head, prio, share) + sink)
-    parts.append(torch.arange(nb - recent, nb, device=dev).expand(h, recent))
-    return torch.cat(parts, dim=1)
+    if free <= 0:
+        return torch.empty((scores.shape[0], 0), dtype=torch.int64, device=scores.device)
+    prio = None if priority is None else priority[:, sink : nb - recent]
+    idx = top_free(scores[:, sink : nb - recent], free, _PER_HEAD if per_head else cfg, prio, share)
+    return torch.where(idx >= 0, idx + sink, idx)
 
 
 def top_free(
@@ -150,4 +164,12 @@ def lens_of(indices: torch.Tensor, seq_len: int, block_size: int) -> torch.Tenso
     return torch.where(indices == nb - 1, torch.full_like(indices, tail), full)
 
 
-__all__ = ["SelectionConfig", "combine_group", "forced_blocks", "lens_of", "select_blocks", "top_free"]
+__all__ = [
+    "SelectionConfig",
+    "combine_group",
+    "forced_blocks",
+    "lens_of",
+    "select_blocks",
+    "select_free",
+    "top_free",
+]

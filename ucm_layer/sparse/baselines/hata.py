@@ -10,25 +10,38 @@ so the Hamming count is one matrix product; packing is a storage detail.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from kvfabric.ucm_layer.sparse.scorer import BlockScorer, block_view
+from kvfabric.settings import coerce_fields, setting
+from kvfabric.ucm_layer.sparse.scorer import BlockScorer, GrowingRows, block_view
+
+
+@dataclass(frozen=True)
+class HataOptions:
+    """The ``hata`` plugin's scorer keys (checked like every kvfabric config)."""
+
+    bits: int = setting(128, lo=1, doc="sign bits per token")
+    seed: int = setting(0, doc="seed of the random projections")
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"hata scorer option {key}")
 
 
 class HataScorer(BlockScorer):
     name = "hata"
     combine = "max"
+    options = HataOptions
 
-    def __init__(
-        self, num_kv_heads: int, head_dim: int, block_size: int, bits: int = 128, seed: int = 0
-    ) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int, **options: Any) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits <= 0:
-            raise ValueError(f"bits must be a positive int, got {bits!r}")
-        self.bits = bits
-        self.seed = seed
+        o = HataOptions(**options)
+        self.bits = o.bits
+        self.seed = o.seed
         self._proj: torch.Tensor | None = None
-        self._codes: torch.Tensor | None = None  # (H, capacity, bits) of +-1
+        self._codes: GrowingRows | None = None  # (H, capacity, bits) of +-1
 
     @property
     def numbers_per_block(self) -> float:
@@ -44,29 +57,24 @@ class HataScorer(BlockScorer):
         g = torch.Generator().manual_seed(self.seed)
         proj = torch.randn((self.num_kv_heads, self.head_dim, self.bits), generator=g)
         self._proj = proj.to(device=keys.device, dtype=keys.dtype)
-        codes = self._code(keys)
-        cap = max(1024, 2 * keys.shape[1])
-        self._codes = codes.new_empty((codes.shape[0], cap, self.bits))
-        self._codes[:, : keys.shape[1]] = codes
+        self._codes = GrowingRows(keys.shape[0], self.bits, keys, capacity=max(1024, 2 * keys.shape[1]))
+        self._codes.ensure(keys.shape[1])[:, : keys.shape[1]] = self._code(keys)
 
     def _append(self, keys: torch.Tensor, start: int) -> None:
         if self._codes is None:
             raise ValueError("hata: append() before fit()")
-        end = start + keys.shape[1]
-        if end > self._codes.shape[1]:
-            new = self._codes.new_empty((self._codes.shape[0], 2 * end, self.bits))
-            new[:, :start] = self._codes[:, :start]
-            self._codes = new
-        self._codes[:, start:end] = self._code(keys)
+        self._codes.ensure(start + keys.shape[1])[:, start : start + keys.shape[1]] = self._code(keys)
 
     def block_scores(self, q: torch.Tensor) -> torch.Tensor:
         if self._codes is None:
             raise ValueError("hata: no codes yet, call fit() first")
         n = self.num_tokens
-        agree = torch.matmul(self._code(q), self._codes[:, :n].transpose(1, 2))  # (H, G, n) = 2*match - bits
+        agree = torch.matmul(
+            self._code(q), self._codes.data[:, :n].transpose(1, 2)
+        )  # (H, G, n) = 2*match - bits
         h, g, _ = agree.shape
         per_block = block_view(agree.reshape(h * g, n, 1), self.block_size, float("-inf")).amax(dim=2)
         return per_block.reshape(h, g, -1)
 
 
-__all__ = ["HataScorer"]
+__all__ = ["HataOptions", "HataScorer"]

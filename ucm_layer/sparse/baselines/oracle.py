@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from kvfabric.ucm_layer.sparse.scorer import BlockScorer, block_view
+from kvfabric.ucm_layer.sparse.scorer import BlockScorer, GrowingRows, block_view
 
 
 class OracleScorer(BlockScorer):
@@ -19,31 +19,26 @@ class OracleScorer(BlockScorer):
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
-        self._keys: torch.Tensor | None = None
+        self._keys: GrowingRows | None = None
 
     @property
     def numbers_per_block(self) -> float:
         return float(self.head_dim * self.block_size)
 
     def _fit(self, keys: torch.Tensor) -> None:
-        self._keys = keys.new_empty((keys.shape[0], max(1024, 2 * keys.shape[1]), keys.shape[2]))
-        self._keys[:, : keys.shape[1]] = keys
+        self._keys = GrowingRows(keys.shape[0], keys.shape[2], keys, capacity=max(1024, 2 * keys.shape[1]))
+        self._keys.ensure(keys.shape[1])[:, : keys.shape[1]] = keys
 
     def _append(self, keys: torch.Tensor, start: int) -> None:
         if self._keys is None:
             raise ValueError("oracle: append() before fit()")
-        end = start + keys.shape[1]
-        if end > self._keys.shape[1]:
-            new = self._keys.new_empty((self._keys.shape[0], 2 * end, self._keys.shape[2]))
-            new[:, :start] = self._keys[:, :start]
-            self._keys = new
-        self._keys[:, start:end] = keys
+        self._keys.ensure(start + keys.shape[1])[:, start : start + keys.shape[1]] = keys
 
     def block_scores(self, q: torch.Tensor) -> torch.Tensor:
         """``(H, G, nb)`` true attention mass of each block for each query head."""
         if self._keys is None:
             raise ValueError("oracle: no keys yet, call fit() first")
-        k = self._keys[:, : self.num_tokens]
+        k = self._keys.data[:, : self.num_tokens]
         p = torch.softmax(torch.matmul(q, k.transpose(1, 2)) / math.sqrt(self.head_dim), dim=-1)
         h, g, n = p.shape
         return block_view(p.reshape(h * g, n, 1), self.block_size, 0.0).sum(dim=2).reshape(h, g, -1)

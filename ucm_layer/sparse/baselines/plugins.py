@@ -24,7 +24,6 @@ class Hata(BlockSparseAttention):
 
     name = "hata"
     scorer_name = "hata"
-    scorer_keys = ("bits", "seed")
 
 
 class Oracle(BlockSparseAttention):

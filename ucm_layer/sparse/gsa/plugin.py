@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvfabric.settings import coerce_fields, setting
 from kvfabric.ucm_layer.sparse.base import (
     AttentionMetadata,
     AttnMode,
@@ -15,14 +18,29 @@ from kvfabric.ucm_layer.sparse.base import (
     SparseMeta,
     StepBatch,
 )
-from kvfabric.ucm_layer.sparse.blocksparse import BlockSparseAttention, LayerState, RequestState
+from kvfabric.ucm_layer.sparse.blocksparse import BlockSparseAttention, LayerState, Slot
 from kvfabric.ucm_layer.sparse.gsa.offload import OffloadStats, Residency
 from kvfabric.ucm_layer.sparse.selection import forced_blocks, lens_of
 from kvfabric.ucm_layer.store.base import Store
 
 
+@dataclass(frozen=True)
+class OffloadOptions:
+    """GSA's own keys (beside ``BlockSparseConfig``'s and the scorer's), checked like every
+    kvfabric config."""
+
+    offload: bool = setting(False, doc="keep only the sink, recent and cache blocks on the device")
+    cache_blocks: int | None = setting(
+        None, lo=1, doc="offload: device slots for selected blocks (None: 2 x free)"
+    )
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"sparse configuration {key}")
+
+
 class GSA(BlockSparseAttention):
-    """GSA: SVD + max-norm block summaries (``rank`` option, default 16).
+    """GSA: SVD + max-norm block summaries (``gsa.summary.SummaryOptions``: rank
+    ``head_dim / 4``, a basis fitted to the prompt's keys and queries by default).
 
     With ``offload: true`` (and a ``store`` plus the ``platform`` that knows the KV cache's
     memory), a request whose prompt exceeds its device share keeps only
@@ -33,18 +51,7 @@ class GSA(BlockSparseAttention):
 
     name = "gsa"
     scorer_name = "gsa"
-    scorer_keys = (
-        "rank",
-        "margin",
-        "basis_tokens",
-        "residual_groups",
-        "basis",
-        "query_weight",
-        "select",
-        "bound_share",
-        "spread",
-        "residual",
-    )
+    plugin_options = OffloadOptions
 
     def __init__(
         self,
@@ -53,13 +60,11 @@ class GSA(BlockSparseAttention):
         store: Store | None = None,
         platform: Any = None,
     ) -> None:
-        cfg = dict(config or {})
-        self.offload = bool(cfg.pop("offload", False))
-        cache_blocks = cfg.pop("cache_blocks", None)
+        super().__init__(model, config)
+        assert isinstance(self.options, OffloadOptions)
+        self.offload = self.options.offload
         if self.offload:
-            cfg["select_ahead"] = True
-        super().__init__(model, cfg)
-        self.config = dict(config or {})
+            self.cfg = dataclasses.replace(self.cfg, select_ahead=True)
         self.store, self.platform = store, platform
         self.offload_stats = OffloadStats()
         self._wrapped: dict[int, Any] = {}
@@ -75,7 +80,8 @@ class GSA(BlockSparseAttention):
         if self.cfg.dense_layers:
             raise ValueError("offload cannot keep dense_layers: offloaded blocks are not on the device")
         free = max(sel.budget_tokens // model.block_size - sel.sink_blocks - sel.recent_blocks, 1)
-        self.cache_blocks = 2 * free if cache_blocks is None else int(cache_blocks)
+        cache_blocks = self.options.cache_blocks
+        self.cache_blocks = 2 * free if cache_blocks is None else cache_blocks
         if self.cache_blocks < free:
             raise ValueError(f"cache_blocks ({self.cache_blocks}) must hold a selection ({free} blocks)")
 
@@ -149,83 +155,47 @@ class GSA(BlockSparseAttention):
                 modes[i] = (AttnMode.SPARSE,) * self.model.num_layers
         return SparseMeta(batch=meta.batch, modes=tuple(modes), step=meta.step)
 
-    def attention_begin(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv: LayerKV,
-        attn: AttentionMetadata,
-        meta: SparseMeta,
+    def layer_starting(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, kv: LayerKV, meta: SparseMeta
     ) -> None:
-        if self.offload:
-            self._wrap(kv)
-        super().attention_begin(layer, query, key, value, kv, attn, meta)
         if not self.offload:
             return
+        self._wrap(kv)
         for i, (t0, t1) in enumerate(self._token_ranges(meta.batch)):
             st = self._state(meta.batch.request_ids[i])
             if st.extra.get("offload") and t1 - t0 > 1:
                 st.extra["res"][layer].dump_prompt(key[t0:t1].transpose(0, 1), value[t0:t1].transpose(0, 1))
 
-    def attention_finished(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        output: torch.Tensor,
-        kv: LayerKV,
-        attn: AttentionMetadata,
-        meta: SparseMeta,
-    ) -> None:
-        if self.offload:  # blocks completed by this step's token: store them (ring slots)
-            for i, rid in enumerate(meta.batch.request_ids):
-                st = self._state(rid)
-                seq = meta.batch.seq_lens[i]
-                if st.extra.get("offload") and meta.batch.is_decode(i) and seq % self.model.block_size == 0:
-                    st.extra["res"][layer].dump_block(
-                        kv, attn.saved.get(i, (attn.block_tables[i],))[0][0], seq // self.model.block_size - 1
-                    )
-        super().attention_finished(layer, query, key, value, output, kv, attn, meta)
+    def layer_finishing(self, layer: int, kv: LayerKV, attn: AttentionMetadata, meta: SparseMeta) -> None:
+        if not self.offload:
+            return
+        for i, rid in enumerate(meta.batch.request_ids):  # blocks completed by this step's token
+            st = self._state(rid)
+            seq = meta.batch.seq_lens[i]
+            if st.extra.get("offload") and meta.batch.is_decode(i) and seq % self.model.block_size == 0:
+                st.extra["res"][layer].dump_block(
+                    kv, attn.saved.get(i, (attn.block_tables[i],))[0][0], seq // self.model.block_size - 1
+                )
 
-    def place(
-        self,
-        st: RequestState,
-        layer: int,
-        logical: torch.Tensor,
-        seq: int,
-        kv: LayerKV,
-        attn: AttentionMetadata,
-        i: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not st.extra.get("offload"):
-            return super().place(st, layer, logical, seq, kv, attn, i)
-        res: Residency = st.extra["res"][layer]
-        slots = attn.block_tables[i][0]
-        nb = -(-seq // self.model.block_size)
+    def place(self, slot: Slot, logical: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not slot.st.extra.get("offload"):
+            return super().place(slot, logical)
+        res: Residency = slot.st.extra["res"][slot.layer]
+        slots = slot.attn.block_tables[slot.i][0]
+        nb = -(-slot.seq // self.model.block_size)
         sink, recent = forced_blocks(nb, self.cfg.selection)
         free = logical[:, sink : logical.shape[1] - recent]
         ring = logical[:, logical.shape[1] - recent :]
         ring_slots = res.sink + ring % res.recent
         physical = torch.cat(
-            [slots[logical[:, :sink]], res.ensure(kv, slots, free), slots[ring_slots]], dim=1
+            [slots[logical[:, :sink]], res.ensure(slot.kv, slots, free), slots[ring_slots]], dim=1
         )
-        return physical, lens_of(logical, seq, self.model.block_size)
+        return physical, lens_of(logical, slot.seq, self.model.block_size)
 
-    def ahead_selected(
-        self,
-        st: RequestState,
-        layer: int,
-        ls: LayerState,
-        seq: int,
-        kv: LayerKV,
-        attn: AttentionMetadata,
-        i: int,
-    ) -> None:
-        if st.extra.get("offload") and ls.ahead is not None and ls.free is not None:
-            st.extra["res"][layer].prefetch(kv, attn.block_tables[i][0], ls.ahead, ls.free)
+    def ahead_selected(self, slot: Slot, ls: LayerState) -> None:
+        if slot.st.extra.get("offload") and ls.ahead is not None and ls.free is not None:
+            table = slot.attn.block_tables[slot.i][0]
+            slot.st.extra["res"][slot.layer].prefetch(slot.kv, table, ls.ahead, ls.free)
 
     def stats(self) -> dict[str, float]:
         out = super().stats()
@@ -257,4 +227,4 @@ class GSA(BlockSparseAttention):
         self._wrapped.clear()
 
 
-__all__ = ["GSA"]
+__all__ = ["GSA", "OffloadOptions"]

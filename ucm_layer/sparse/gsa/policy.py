@@ -9,59 +9,57 @@ repaid), and (4) the layer is not listed in ``dense_layers``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
+from kvfabric.settings import coerce_fields, setting
 from kvfabric.ucm_layer.sparse.base import AttnMode, StepBatch
 from kvfabric.ucm_layer.sparse.selection import SelectionConfig
 
 
 @dataclass(frozen=True)
 class BlockSparseConfig:
-    """Everything a block-sparse plugin is configured with (validated on construction)."""
+    """Everything a block-sparse plugin is configured with, in kvfabric's configuration
+    language (``kvfabric.settings``): every key checked against its type and range on
+    construction, a bad value a ``ValueError`` naming it."""
 
-    selection: SelectionConfig = field(default_factory=SelectionConfig)
-    reuse_steps: int = 1  # a selection is used for this many decode steps
-    min_seq_len: int = 4096
-    min_long_requests: int = 1
-    dense_layers: tuple[int, ...] = ()
-    scorer_options: Mapping[str, Any] = field(default_factory=dict)
-    select_ahead: bool = False  # select for step t+1 at step t (needed to prefetch; 1 step stale)
-    # scorers that use the prompt's queries get those of its last query_window tokens (0: all)
-    query_window: int = 256
+    selection: SelectionConfig = setting(default_factory=SelectionConfig, doc="the budget and forced blocks")
+    reuse_steps: int = setting(1, lo=1, doc="a selection is used for this many decode steps")
+    min_seq_len: int = setting(4096, lo=0, doc="shorter sequences decode dense")
+    min_long_requests: int = setting(1, lo=1, doc="sparse only when this many requests of the batch qualify")
+    dense_layers: tuple[int, ...] = setting((), doc="layers that always run dense")
+    scorer_options: Mapping[str, Any] = setting(default_factory=dict, doc="the block scorer's options")
+    select_ahead: bool = setting(
+        False, doc="select for step t+1 at step t (needed to prefetch; 1 step stale)"
+    )
+    query_window: int = setting(
+        256, lo=0, doc="scorers that use the prompt's queries get those of its last tokens (0: all)"
+    )
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.query_window, bool)
-            or not isinstance(self.query_window, int)
-            or self.query_window < 0
-        ):
-            raise ValueError(f"query_window must be an int >= 0, got {self.query_window!r}")
-        for name in ("reuse_steps", "min_long_requests"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if (
-            isinstance(self.min_seq_len, bool)
-            or not isinstance(self.min_seq_len, int)
-            or self.min_seq_len < 0
-        ):
-            raise ValueError(f"min_seq_len must be an int >= 0, got {self.min_seq_len!r}")
-        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.dense_layers):
-            raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers!r}")
-        if not isinstance(self.scorer_options, Mapping):
-            raise TypeError(f"scorer_options must be a mapping, got {type(self.scorer_options).__name__}")
+        coerce_fields(self, lambda key: f"sparse configuration {key}")
+        if any(x < 0 for x in self.dense_layers):
+            raise ValueError(
+                f"sparse configuration dense_layers must be layer indices >= 0, got {self.dense_layers!r}"
+            )
 
     @classmethod
-    def from_mapping(cls, config: Mapping[str, Any]) -> BlockSparseConfig:
+    def from_mapping(
+        cls,
+        config: Mapping[str, Any],
+        scorer_keys: Iterable[str] = (),
+        also_known: Iterable[str] = (),
+    ) -> BlockSparseConfig:
         """Build from one flat mapping: selection keys (``budget_tokens``, ``budget_fraction``,
-        ``sink_blocks``, ``recent_blocks``), this class's fields, and any other key a scorer
-        option (e.g. ``rank``) only if listed in ``scorer_keys``."""
+        ``sink_blocks``, ``recent_blocks``, ...), this class's fields, and the scorer's
+        options (``scorer_keys``, e.g. ``rank``; a ``scorer_keys`` entry of the mapping is
+        read too). An unknown key is a ``ValueError`` listing the known ones (with
+        ``also_known``: keys the caller read before)."""
         cfg = dict(config)
         sel_keys = {f.name for f in fields(SelectionConfig)}
         own = {f.name for f in fields(cls)} - {"selection"}
-        scorer_keys = set(cfg.pop("scorer_keys", ()))
+        scorer_keys = set(scorer_keys) | set(cfg.pop("scorer_keys", ()))
         sel = {k: cfg.pop(k) for k in list(cfg) if k in sel_keys}
         if "budget_fraction" in sel and "budget_tokens" not in sel:
             sel["budget_tokens"] = None
@@ -70,11 +68,9 @@ class BlockSparseConfig:
         scorer.update({k: cfg.pop(k) for k in list(cfg) if k in scorer_keys})
         if cfg:
             raise ValueError(
-                f"unknown sparse configuration key(s) {sorted(cfg)}; known: "
-                f"{sorted(sel_keys | own | scorer_keys)}"
+                f"unknown sparse configuration key(s) {sorted(map(str, cfg))}; known: "
+                f"{sorted(sel_keys | own | scorer_keys | set(also_known))}"
             )
-        if "dense_layers" in mine:
-            mine["dense_layers"] = tuple(mine["dense_layers"])
         return cls(selection=SelectionConfig(**sel), scorer_options=scorer, **mine)
 
 

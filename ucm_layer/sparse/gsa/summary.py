@@ -1,7 +1,10 @@
 """GSA's block summary: a rank-r SVD basis joined with a max-norm of the residual.
 
 For each KV head, ``U (D, r)`` holds the top-r right singular vectors of the prompt's keys
-(fitted at prefill from ``K^T K``, in float64). A block of keys ``k`` keeps
+and (``basis="keys+queries"``, the default) of the queries of its last tokens, weighted
+``query_weight`` (fitted at prefill from ``K^T K`` and ``Q^T Q``, in float64; ``r``
+defaults to ``head_dim / 4``; with no queries given, the keys alone). A block of keys
+``k`` keeps
 
     M_i  = max_k (U^T k)_i + tau_k          (r numbers)
     -m_i = max_k -(U^T k)_i + tau_k         (r numbers; stored negated, so every row is a max)
@@ -37,8 +40,12 @@ ranks by the bound alone. The bound stays what ``bound()`` returns in every mode
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
+from kvfabric.settings import coerce_fields, setting
 from kvfabric.ucm_layer.sparse.scorer import RowMaxScorer
 
 _GRAM_CHUNK = 16384
@@ -80,69 +87,77 @@ def fit_basis(
     return q.to(keys.dtype).contiguous()
 
 
+def default_rank(head_dim: int) -> int:
+    """GSA's default basis rank: a quarter of the head dimension (16 of SmolLM2's 64, 32 of
+    128), so a block's summary is ``head_dim / 2 + 1`` numbers."""
+    return max(1, head_dim // 4)
+
+
+@dataclass(frozen=True)
+class SummaryOptions:
+    """The options of GSA's scorer (the ``gsa`` plugin's scorer keys), in kvfabric's
+    configuration language: each checked against its type and range, a bad value a
+    ``ValueError`` naming it; limits that depend on the head dimension are checked by the
+    scorer."""
+
+    rank: int | None = setting(None, lo=1, doc="basis rank, at most head_dim (None: head_dim / 4)")
+    margin: float = setting(1e-5, lo=0, hi=0.01, doc="relative slack per key that absorbs rounding")
+    basis_tokens: int = setting(65536, lo=1, doc="keys (an even sample beyond) the basis is fitted to")
+    residual_groups: int = setting(1, lo=1, doc="max-norms of the residual space (at most head_dim - rank)")
+    basis: str = setting(
+        "keys+queries", choices=("keys", "keys+queries"), doc="fit the basis to the keys, or keys and queries"
+    )
+    select: str = setting("mixed", choices=("bound", "estimate", "mixed"), doc="how blocks are ranked")
+    spread: float = setting(0.5, lo=0, hi=1, doc="estimate: share of the box half-width")
+    residual: float = setting(0.25, lo=0, hi=1, doc="estimate: share of the residual term")
+    query_weight: float = setting(0.35, lo=0, hi=1, doc="keys+queries: the queries' weight in the basis")
+    bound_share: float = setting(0.5, gt=0, hi=1, doc="mixed: share of the free blocks taken by the bound")
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"gsa scorer option {key}")
+        if self.bound_share >= 1:
+            raise ValueError(
+                f"gsa scorer option bound_share={self.bound_share!r}: expected a number in (0, 1)"
+            )
+
+
 class SvdMaxNormScorer(RowMaxScorer):
-    """GSA's bound (see the module docstring): ``rank`` of ``head_dim`` dimensions."""
+    """GSA's bound (see the module docstring); ``options`` are :class:`SummaryOptions`'
+    (rank ``head_dim / 4`` and a basis fitted to the prompt's keys and queries by default)."""
 
     name = "gsa"
     combine = "softmax"
+    options = SummaryOptions
 
-    def __init__(
-        self,
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int,
-        rank: int = 16,
-        margin: float = 1e-5,
-        basis_tokens: int = 65536,
-        residual_groups: int = 1,
-        basis: str = "keys",
-        select: str = "mixed",
-        spread: float = 0.5,
-        residual: float = 0.25,
-        query_weight: float = 0.5,
-        bound_share: float = 0.5,
-    ) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int, **options: Any) -> None:
         super().__init__(num_kv_heads, head_dim, block_size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= head_dim:
-            raise ValueError(f"rank must be an int in [1, head_dim={head_dim}], got {rank!r}")
-        if not 0.0 <= float(margin) < 1e-2:
-            raise ValueError(f"margin must be in [0, 0.01), got {margin!r}")
-        if isinstance(basis_tokens, bool) or not isinstance(basis_tokens, int) or basis_tokens < rank:
-            raise ValueError(f"basis_tokens must be an int >= rank, got {basis_tokens!r}")
-        if (
-            isinstance(residual_groups, bool)
-            or not isinstance(residual_groups, int)
-            or not 1 <= residual_groups <= max(1, head_dim - rank)
-        ):
+        o = SummaryOptions(**options)
+        rank = default_rank(head_dim) if o.rank is None else o.rank
+        if rank > head_dim:
             raise ValueError(
-                f"residual_groups must be an int in [1, head_dim - rank = {head_dim - rank}], "
-                f"got {residual_groups!r}"
+                f"gsa scorer option rank={rank}: expected an integer in [1, head_dim={head_dim}]"
             )
-        if basis not in ("keys", "keys+queries"):
-            raise ValueError(f"basis must be 'keys' or 'keys+queries', got {basis!r}")
-        if select not in ("bound", "estimate", "mixed"):
-            raise ValueError(f"select must be 'bound', 'estimate' or 'mixed', got {select!r}")
-        if (
-            isinstance(bound_share, bool)
-            or not isinstance(bound_share, (int, float))
-            or not 0 < bound_share < 1
-        ):
-            raise ValueError(f"bound_share must be a number in (0, 1), got {bound_share!r}")
-        self.priority_share = float(bound_share) if select == "mixed" else 0.0
-        for name, v in (("spread", spread), ("residual", residual), ("query_weight", query_weight)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
-                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
-        self.select = select
-        self.query_weight = float(query_weight)
-        self.spread = float(spread)
-        self.residual = float(residual)
-        self.basis_source = basis
-        self.groups = residual_groups
+        if o.basis_tokens < rank:
+            raise ValueError(
+                f"gsa scorer option basis_tokens={o.basis_tokens}: expected an integer >= rank ({rank})"
+            )
+        if o.residual_groups > max(1, head_dim - rank):
+            raise ValueError(
+                f"gsa scorer option residual_groups={o.residual_groups}: expected an integer in "
+                f"[1, head_dim - rank = {head_dim - rank}]"
+            )
+        self.priority_share = o.bound_share if o.select == "mixed" else 0.0
+        self.select = o.select
+        self.query_weight = o.query_weight
+        self.spread = o.spread
+        self.residual = o.residual
+        self.basis_source = o.basis
+        self.groups = o.residual_groups
         self.complement: torch.Tensor | None = None  # (H, D, D - r) when groups > 1
         self._assign: torch.Tensor | None = None  # (D - r, groups) 0/1
-        self.basis_tokens = basis_tokens
+        self.basis_tokens = o.basis_tokens
         self.rank = rank
-        self.margin = float(margin)
+        self.margin = o.margin
         self.basis: torch.Tensor | None = None  # (H, D, r)
 
     @property
@@ -155,9 +170,8 @@ class SvdMaxNormScorer(RowMaxScorer):
         return self.basis
 
     def _fit(self, keys: torch.Tensor) -> None:
+        # keys+queries with no queries given (or none captured): the keys' basis
         queries = self.fit_queries if self.basis_source == "keys+queries" else None
-        if self.basis_source == "keys+queries" and queries is None:
-            raise ValueError("basis='keys+queries' needs the prompt's queries: fit(keys, queries)")
         if self.groups == 1:
             self.basis = fit_basis(keys, self.rank, self.basis_tokens, queries, self.query_weight)
         else:
@@ -200,4 +214,4 @@ class SvdMaxNormScorer(RowMaxScorer):
         return torch.cat([(a + p) * 0.5, (a - p) * 0.5, res], dim=-1)
 
 
-__all__ = ["SvdMaxNormScorer", "fit_basis"]
+__all__ = ["SummaryOptions", "SvdMaxNormScorer", "default_rank", "fit_basis"]
