@@ -58,12 +58,14 @@ def test_a_worker_process_and_the_scheduler_meet_in_the_auto_started_daemon(runt
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     env = {k: os.environ[k] for k in ("XDG_RUNTIME_DIR", "KVFABRIC_SHM_DIR", "KVFABRIC_PLATFORM")}
-    p = ctx.Process(target=_worker, args=(env, ids[:4], out))
-    p.start()
-    assert out.get(timeout=120) == [0] * 4
-    p.join(30)
+    # the scheduler's index comes first: it holds the daemon open, which would otherwise
+    # leave pool_idle_exit_s after the worker's store, before a slow machine gets here
     index = stores.SchedulerIndex(cfg, plat, LAYOUT)
     try:
+        p = ctx.Process(target=_worker, args=(env, ids[:4], out))
+        p.start()
+        assert out.get(timeout=120) == [0] * 4
+        p.join(30)
         assert index.lookup_prefix(ids) == 4  # what the other process stored
         assert isinstance(index.index, PoolIndex)  # an index, not a store: no cache, no threads
         assert index.index.client.metadata_only and index.index.client.fabric is None
