@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvfabric.harness.peer import spawn_ready
+from kvfabric.harness.peer import spawn_ready, stop_child
 
 
 def _main(conn: Connection, url: str, nbytes: int, platform: str | None, cfg: dict[str, Any]) -> None:
@@ -49,12 +49,4 @@ class GvaPeer:
         return cls(proc, parent, msg[1])
 
     def stop(self, timeout: float = 10.0) -> None:
-        try:
-            self.conn.send("stop")
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.conn.close()
+        stop_child(self.proc, self.conn, "stop", timeout)

@@ -44,6 +44,20 @@ def spawn_ready(
     return proc, parent, msg
 
 
+def stop_child(proc: Any, conn: Connection, message: Any, timeout: float = 10.0) -> None:
+    """Ask a ``spawn_ready`` child to stop (``message`` on its pipe), kill it if it is still
+    alive after ``timeout`` s, reap it and close the pipe; a child already gone is fine."""
+    try:
+        conn.send(message)
+    except (BrokenPipeError, OSError):
+        pass
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    conn.close()
+
+
 def _peer_main(conn: Connection, platform: str | None, nbytes: int, medium: str) -> None:
     import numpy as np
 
@@ -104,12 +118,4 @@ class PeerWindow:
         return reply
 
     def stop(self, timeout: float = 10.0) -> None:
-        try:
-            self.conn.send(("stop",))
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.conn.close()
+        stop_child(self.proc, self.conn, ("stop",), timeout)
