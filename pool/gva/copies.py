@@ -82,15 +82,19 @@ class Copier:
         return ptr, off, buf
 
     # ------------------------------------------------------------------ copies
-    def xcopy(
-        self, dst: Any, src: Any, nbytes: int | None, version: int | None, sync: bool
-    ) -> XferHandle | None:
-        """One copy; ``sync``: run it now, raising ``TransferFailed`` if it failed."""
+    def xcopy(self, dst: Any, src: Any, nbytes: int | None, version: int | None) -> XferHandle:
+        """One copy, asynchronous (``copy_one`` returns a handle off the synchronous path)."""
         self.may_copy()
-        h = copy_one(self.view, self.config, self.platform, self.transports, dst, src, nbytes, version, sync)
-        if sync and h is not None:
+        return copy_one(
+            self.view, self.config, self.platform, self.transports, dst, src, nbytes, version, False
+        )
+
+    def xcopy_sync(self, dst: Any, src: Any, nbytes: int | None, version: int | None) -> None:
+        """One copy, done when this returns; ``TransferFailed`` if it failed."""
+        self.may_copy()
+        h = copy_one(self.view, self.config, self.platform, self.transports, dst, src, nbytes, version, True)
+        if h is not None:  # None: copied directly already
             h.raise_for_status()
-        return h
 
     def batch_xcopy(self, items: Items, version: int | None, inline: bool) -> XferHandle:
         """Many pieces, grouped by rank pair; ``inline``: run in this thread, finished."""

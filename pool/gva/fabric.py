@@ -401,13 +401,13 @@ class Fabric:
         self, dst: Any, src: Any, nbytes: int | None = None, *, version: int | None = None
     ) -> XferHandle:
         """Copy ``nbytes`` from ``src`` to ``dst`` (GVAs or local memory); asynchronous."""
-        return self.copier.xcopy(dst, src, nbytes, version, False)  # type: ignore[return-value]
+        return self.copier.xcopy(dst, src, nbytes, version)
 
     def xcopy_sync(
         self, dst: Any, src: Any, nbytes: int | None = None, *, version: int | None = None
     ) -> None:
         """``xcopy`` that returns once the bytes are in place; ``TransferFailed`` if not."""
-        self.copier.xcopy(dst, src, nbytes, version, True)
+        self.copier.xcopy_sync(dst, src, nbytes, version)
 
     def batch_xcopy(self, items: Items, *, version: int | None = None, inline: bool = False) -> XferHandle:
         """Copy many ``(dst, src, nbytes)`` pieces; grouped by rank pair; asynchronous.
