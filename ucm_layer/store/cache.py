@@ -193,10 +193,6 @@ class CacheStore(TaskStore):
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return self.table.present(self._ids(ids), self.layout.num_shards)
 
-    def _start_load(self, req: Request, task: StoreTask) -> None:
-        self.workers.submit(task, lambda ctx: self._load(ctx, req, task))
-        task.seal()
-
     def _load(self, ctx: WorkerContext, req: Request, task: StoreTask) -> None:
         c = self.acquire(req.ids, req.shard, claim=False)
         hit = c.rows(Claim.HIT)
@@ -215,10 +211,6 @@ class CacheStore(TaskStore):
                             task.set(hit, BlockStatus.FAILED)
         finally:
             self.table.release(c.slots[hit])
-
-    def _start_dump(self, req: Request, task: StoreTask) -> None:
-        self.workers.submit(task, lambda ctx: self._dump(ctx, req, task))
-        task.seal()
 
     def _dump(self, ctx: WorkerContext, req: Request, task: StoreTask) -> None:
         if not dump_may_start(req.after, task, ctx.stream):
@@ -262,10 +254,5 @@ class CacheStore(TaskStore):
     def stats(self) -> dict[str, int]:
         return {**super().stats(), **self.table.counts()}
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._settle()
-        self.workers.close()
+    def _release(self) -> None:
         self.platform.free(self.buffer)

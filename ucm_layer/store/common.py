@@ -14,8 +14,9 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +36,9 @@ from kvfabric.ucm_layer.store.base import (
     check_shard,
 )
 from kvfabric.ucm_layer.store.task import StoreTask, check_task, wait_task
+
+if TYPE_CHECKING:
+    from kvfabric.ucm_layer.store.workers import WorkerContext, Workers
 
 log = logging.getLogger("kvfabric.store")
 
@@ -67,6 +71,9 @@ class Request:
 
 class TaskStore(Store):
     """Common machinery of the stores in this package (see module docstring)."""
+
+    #: the threads that run the store's jobs (stores that start their own tasks leave it None)
+    workers: Workers | None = None
 
     def __init__(self, platform: Platform, layout: StoreLayout) -> None:
         if not isinstance(platform, Platform):
@@ -160,10 +167,19 @@ class TaskStore(Store):
         return 1 << 30  # one chunk: the whole call (stores that split work override)
 
     def _start_load(self, req: Request, task: StoreTask) -> None:
-        raise NotImplementedError
+        """Start a checked load. Default: the whole call is one job on the store's workers,
+        ``self._load(ctx, req, task)``; stores that split calls into chunks override."""
+        self._one_job(task, lambda ctx: self._load(ctx, req, task))  # type: ignore[attr-defined]
 
     def _start_dump(self, req: Request, task: StoreTask) -> None:
-        raise NotImplementedError
+        """Start a checked dump; the default runs ``self._dump(ctx, req, task)`` as one job."""
+        self._one_job(task, lambda ctx: self._dump(ctx, req, task))  # type: ignore[attr-defined]
+
+    def _one_job(self, task: StoreTask, job: Callable[[WorkerContext], None]) -> None:
+        if self.workers is None:
+            raise NotImplementedError(f"store {self.name!r} has no workers: it starts its own tasks")
+        self.workers.submit(task, job)
+        task.seal()
 
     def check(self, task: Task) -> bool:
         return check_task(task, self).finished()
@@ -183,6 +199,23 @@ class TaskStore(Store):
                         out[f"{kind.value}_{st.name.lower()}"] = int(tally[st])
             out["corrupt_blocks"] = self._corrupt
         return out
+
+    def close(self) -> None:
+        """Let outstanding tasks finish (cancelling what is left after ``CLOSE_GRACE_S``),
+        stop the workers, then release what the store holds (``_release``). Idempotent;
+        afterwards every call but ``close`` and ``stats`` raises ``ValueError``."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._settle()
+            if self.workers is not None:
+                self.workers.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """What the store holds beyond its tasks and workers (buffers, clients, tiers)."""
 
     @property
     def closed(self) -> bool:

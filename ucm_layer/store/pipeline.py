@@ -152,10 +152,6 @@ class Pipeline(TaskStore):
             )
 
     # ------------------------------------------------------------------ load
-    def _start_load(self, req: Request, task: StoreTask) -> None:
-        self.workers.submit(task, lambda ctx: self._load(ctx, req, task))
-        task.seal()
-
     def _copy_out(
         self,
         ctx: WorkerContext,
@@ -220,10 +216,6 @@ class Pipeline(TaskStore):
                 return
 
     # ------------------------------------------------------------------ dump
-    def _start_dump(self, req: Request, task: StoreTask) -> None:
-        self.workers.submit(task, lambda ctx: self._dump(ctx, req, task))
-        task.seal()
-
     def _dump(self, ctx: WorkerContext, req: Request, task: StoreTask) -> None:
         if not dump_may_start(req.after, task, ctx.stream):
             return
@@ -321,16 +313,9 @@ class Pipeline(TaskStore):
             out.update({f"{tier.name}.{k}": v for k, v in tier_stats.items()})
         return out
 
-    def close(self) -> None:
-        """Finish (or, after a grace period, cancel) tasks and writes behind; close both tiers."""
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
+        """After tasks and writes behind (the workers') are done: close both tiers."""
         try:
-            self._settle()
-            self.workers.close()
+            self.lower.close()  # first: writes behind still read from cache slots
         finally:
-            try:
-                self.lower.close()  # first: writes behind still read from cache slots
-            finally:
-                self.upper.close()
+            self.upper.close()

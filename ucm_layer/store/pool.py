@@ -224,12 +224,7 @@ class PoolStore(TaskStore):
         super().set_verify(verify)
         self.client.verify = self.verify
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._settle()
-        self._closed = True
-        self.workers.close()
+    def _release(self) -> None:
         self.client.close()
         if self._embedded is not None:
             self._embedded.close()

@@ -417,10 +417,5 @@ class PosixStore(TaskStore):
         out["usage_bytes"] = int(self.gc.usage)
         return out
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._settle()
-        self.workers.close()
+    def _release(self) -> None:
         self.gc.close()
