@@ -31,8 +31,7 @@ MAX_BATCH = 1 << 20  # items in one request: more is a broken or hostile client
 U64_MAX = (1 << 64) - 1
 MAX_TTL_S = float((1 << 30) // 10)  # the directory's expiry ticks (1/10 s, u32) wrap at twice this
 #: keys starting with these bytes are the service's own (no UTF-8 text starts with them)
-RESERVED_PREFIX = b"\xff\xfe"
-_RESERVED_AT_START = b"\x00" + RESERVED_PREFIX  # after a separator: a key starting with it
+RESERVED_PREFIX = b"\xff\xfe"  # two bytes (KeyBatch checks its two columns)
 
 
 def _key_problem(raw: bytes) -> str:
@@ -111,8 +110,8 @@ class KeyBatch:
             raise ValueError(f"{name}: keys of {width} bytes; pool keys are 1 to {MAX_KEY_BYTES} bytes")
         if n > MAX_BATCH:
             raise ValueError(f"{name} holds {n} keys; one request takes at most {MAX_BATCH}")
-        if width >= len(RESERVED_PREFIX):
-            reserved = (m[:, : len(RESERVED_PREFIX)] == np.frombuffer(RESERVED_PREFIX, np.uint8)).all(axis=1)
+        if width >= 2 and b"\xff" in m[:, 0].tobytes():  # rare: only then look closely
+            reserved = (m[:, 0] == RESERVED_PREFIX[0]) & (m[:, 1] == RESERVED_PREFIX[1])
             if reserved.any():
                 i = int(np.argmax(reserved))
                 raise ValueError(f"{name}[{i}]: {_key_problem(m[i].tobytes())}")
@@ -131,9 +130,8 @@ class KeyBatch:
         if a.ndim != 2 or a.shape[1] != id_bytes:
             raise ValueError(f"ids must be an (n, {id_bytes}) uint8 array, got shape {a.shape}")
         m = np.empty((a.shape[0], len(prefix) + id_bytes + len(suffix)), np.uint8)
-        m[:, : len(prefix)] = np.frombuffer(prefix, np.uint8)
+        m[:] = np.frombuffer(prefix + bytes(id_bytes) + suffix, np.uint8)  # the fixed bytes
         m[:, len(prefix) : len(prefix) + id_bytes] = a
-        m[:, len(prefix) + id_bytes :] = np.frombuffer(suffix, np.uint8)
         return cls._owning(m, "ids")
 
     @classmethod
@@ -243,8 +241,8 @@ def check_keys(keys: Sequence[Any], name: str = "keys") -> None:
         return
     if set(map(type, keys)) == {bytes}:  # the whole list in C; the slow path names the culprit
         lens = list(map(len, keys))
-        in_range = min(lens) > 0 and max(lens) <= MAX_KEY_BYTES
-        if in_range and _RESERVED_AT_START not in b"\x00" + b"\x00".join(keys):
+        # no key starts with the reserved prefix when every key sorts below it
+        if min(lens) > 0 and max(lens) <= MAX_KEY_BYTES and max(keys) < RESERVED_PREFIX:
             return
     for i, k in enumerate(keys):
         if not isinstance(k, bytes):
