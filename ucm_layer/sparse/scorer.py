@@ -154,6 +154,45 @@ class GrowingCols:
         return self.data
 
 
+class TokenRowsScorer(BlockScorer):
+    """A scorer that keeps one row per token (the oracle: the key itself; HATA: its sign
+    code) in its own growing buffer. Subclasses give ``row_width`` and ``token_rows``;
+    ``prepare(keys)`` runs at ``fit`` before the prompt's rows are made."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_kv_heads, head_dim, block_size)
+        self._rows: GrowingRows | None = None
+
+    @property
+    @abc.abstractmethod
+    def row_width(self) -> int: ...
+
+    @abc.abstractmethod
+    def token_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """``(H, n, row_width)`` rows of keys ``(H, n, D)``."""
+
+    def prepare(self, keys: torch.Tensor) -> None:
+        """Hook: at ``fit``, before the rows of the prompt's keys are made."""
+
+    def rows(self) -> torch.Tensor:
+        """``(H, num_tokens, row_width)`` (a view; do not keep it across appends)."""
+        if self._rows is None:
+            raise ValueError(f"{self.name}: no rows yet, call fit() first")
+        return self._rows.data[:, : self.num_tokens]
+
+    def _fit(self, keys: torch.Tensor) -> None:
+        self.prepare(keys)
+        n = keys.shape[1]
+        self._rows = GrowingRows(keys.shape[0], self.row_width, keys, capacity=max(1024, 2 * n))
+        self._rows.ensure(n)[:, :n] = self.token_rows(keys)
+
+    def _append(self, keys: torch.Tensor, start: int) -> None:
+        if self._rows is None:
+            raise ValueError(f"{self.name}: append() before fit()")
+        end = start + keys.shape[1]
+        self._rows.ensure(end)[:, start:end] = self.token_rows(keys)
+
+
 class RowMaxScorer(BlockScorer):
     """A scorer whose block summary is the element-wise max of per-key rows, with an upper
     bound ``query_weights(q) . summary`` on ``q.k`` over each block (GSA, Quest) and a
@@ -305,6 +344,7 @@ __all__ = [
     "GrowingCols",
     "GrowingRows",
     "RowMaxScorer",
+    "TokenRowsScorer",
     "block_view",
     "edge_block_view",
     "make_scorer",

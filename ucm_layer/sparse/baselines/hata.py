@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvfabric.settings import coerce_fields, setting
-from kvfabric.ucm_layer.sparse.scorer import BlockScorer, GrowingRows, block_view
+from kvfabric.ucm_layer.sparse.scorer import TokenRowsScorer, block_view
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class HataOptions:
         coerce_fields(self, lambda key: f"hata scorer option {key}")
 
 
-class HataScorer(BlockScorer):
+class HataScorer(TokenRowsScorer):
     name = "hata"
     combine = "max"
     options = HataOptions
@@ -41,38 +41,31 @@ class HataScorer(BlockScorer):
         self.bits = o.bits
         self.seed = o.seed
         self._proj: torch.Tensor | None = None
-        self._codes: GrowingRows | None = None  # (H, capacity, bits) of +-1
 
     @property
     def numbers_per_block(self) -> float:
         return self.bits * self.block_size / 32.0
 
-    def _code(self, x: torch.Tensor) -> torch.Tensor:
-        if self._proj is None:
-            raise ValueError("hata: no projections yet, call fit() first")
-        y = torch.matmul(x, self._proj)
-        return torch.where(y >= 0, 1.0, -1.0).to(y.dtype)
+    @property
+    def row_width(self) -> int:
+        return self.bits
 
-    def _fit(self, keys: torch.Tensor) -> None:
+    def prepare(self, keys: torch.Tensor) -> None:
         g = torch.Generator().manual_seed(self.seed)
         proj = torch.randn((self.num_kv_heads, self.head_dim, self.bits), generator=g)
         self._proj = proj.to(device=keys.device, dtype=keys.dtype)
-        self._codes = GrowingRows(keys.shape[0], self.bits, keys, capacity=max(1024, 2 * keys.shape[1]))
-        self._codes.ensure(keys.shape[1])[:, : keys.shape[1]] = self._code(keys)
 
-    def _append(self, keys: torch.Tensor, start: int) -> None:
-        if self._codes is None:
-            raise ValueError("hata: append() before fit()")
-        self._codes.ensure(start + keys.shape[1])[:, start : start + keys.shape[1]] = self._code(keys)
+    def token_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """The sign codes ``(H, n, bits)`` of ``keys`` (or queries), +-1."""
+        if self._proj is None:
+            raise ValueError("hata: no projections yet, call fit() first")
+        y = torch.matmul(keys, self._proj)
+        return torch.where(y >= 0, 1.0, -1.0).to(y.dtype)
 
     def block_scores(self, q: torch.Tensor) -> torch.Tensor:
-        if self._codes is None:
-            raise ValueError("hata: no codes yet, call fit() first")
-        n = self.num_tokens
-        agree = torch.matmul(
-            self._code(q), self._codes.data[:, :n].transpose(1, 2)
-        )  # (H, G, n) = 2*match - bits
-        h, g, _ = agree.shape
+        codes = self.rows()
+        agree = torch.matmul(self.token_rows(q), codes.transpose(1, 2))  # (H, G, n) = 2*match - bits
+        h, g, n = agree.shape
         per_block = block_view(agree.reshape(h * g, n, 1), self.block_size, float("-inf")).amax(dim=2)
         return per_block.reshape(h, g, -1)
 
