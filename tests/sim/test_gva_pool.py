@@ -18,6 +18,7 @@ from kvfabric.platform.types import Medium
 from kvfabric.pool.gva.config import GvaConfig
 from kvfabric.pool.gva.fabric import Fabric, MembershipChange
 from kvfabric.pool.gva.rendezvous.server import RendezvousServer
+from kvfabric.status import ItemStatus
 
 WIN = 1 << 20
 
@@ -148,7 +149,7 @@ def test_random_copies_through_random_windows_keep_every_byte(trio, copies, seed
             if "local" in (sw, dw):
                 who = 0  # only this process can address its local buffer
             if who == 0:
-                assert me.xcopy(addr(dw, do), addr(sw, so), n).wait(30).tolist() == [1]
+                assert me.xcopy(addr(dw, do), addr(sw, so), n).wait(30).tolist() == [ItemStatus.OK]
             else:
                 workers[who - 1].ok("xcopy", addr(dw, do), addr(sw, so), n)
             model[dw][do : do + n] = model[sw][so : so + n]
@@ -239,7 +240,9 @@ def test_pool_on_the_device_platform_classes(server, spec):
         a.ok("batch", [(gb, gm + 100, 32768), (gb + 32768, ga + 4096 + 32768, 32768)])
         back = plat.alloc(WIN, "dram")
         h = me.batch_xcopy([(back.ptr, gb, 65536), (back.ptr + 65536, gb + 65536, 4096)])  # D2H
-        assert h.wait().tolist() == [1, 1]  # no timeout: the fake runtime copies only when waited on
+        assert (
+            h.wait().tolist() == [ItemStatus.OK] * 2
+        )  # no timeout: the fake runtime copies only when waited on
         np.testing.assert_array_equal(back.numpy()[:65536], host.numpy()[:65536])
         np.testing.assert_array_equal(
             back.numpy()[65536 : 65536 + 4096], pattern(WIN, b.rank)[65536 : 65536 + 4096]
