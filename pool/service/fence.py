@@ -14,9 +14,9 @@ The design (both ends):
   single-piece fast path copies only while its rank is still a member of the fabric.
 * **The service** never frees the space of an expired lease: it *fences* it. The object's
   slot is replaced by a tombstone slot in state ``REMOVING`` (key ``FENCE_PREFIX`` + the
-  generation, which no client key can equal: client keys are UTF-8), so the key itself
-  is free for a new put while the extent stays reserved. A fence is released when the
-  writer says it is done with the key (its commit, whatever the outcome: it has stopped
+  generation, which no client key can equal: keys starting ``\\xff\\xfe`` are refused),
+  so the key itself is free for a new put while the extent stays reserved. A fence is
+  released when the writer says it is done with the key (its commit, whatever the outcome: it has stopped
   copying), when the writer's process is gone (writers on this node: the RPC server knows
   their pid), or, for writers it cannot watch (over TCP, or adopted from a previous
   service after a restart), after ``fence_grace_s`` — several lease periods.
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvfabric.pool")
 
-FENCE_PREFIX = b"\xff\xfefence:"  # not UTF-8: never a client key
+FENCE_PREFIX = b"\xff\xfefence:"  # the reserved prefix (pool.keys): never a client key
 
 
 @dataclass
