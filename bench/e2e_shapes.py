@@ -73,7 +73,7 @@ def _shape_row(
 def shape_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
     import os
 
-    from kvfabric.harness.engine import kvfabric_transfer_config, make_engine
+    from kvfabric.harness.engine import make_engine, pool_transfer_config
     from kvfabric.harness.models import smollm2, tiny_llama
 
     rounds = min(rounds, 3) if ctx.quick else rounds
@@ -87,14 +87,7 @@ def shape_rows(ctx: BenchContext, rounds: int) -> Iterator[dict[str, Any]]:
 
     def pool(name: str, role: str = "kv_both", auto: bool = False) -> dict[str, Any]:
         extra: dict[str, Any] = {"pool_address": "auto"} if auto else {}
-        cfg = kvfabric_transfer_config(
-            "cache|pool",
-            cache_bytes="256MiB",
-            pool_bytes="1GiB",
-            pool_idle_exit_s=2,
-            store_options={"pool.name": name},
-            **extra,
-        )
+        cfg = pool_transfer_config(name, "256MiB", "1GiB", **extra)
         return {**cfg, "kv_role": role}
 
     def cold_warm(llm: Any, vocab: int) -> tuple[list[float], list[float], list[int]]:

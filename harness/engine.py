@@ -64,6 +64,21 @@ def kvfabric_transfer_config(
     }
 
 
+def pool_transfer_config(
+    name: str, cache_bytes: str, pool_bytes: str, idle_exit_s: float = 2, **extra: Any
+) -> dict[str, Any]:
+    """kvfabric on ``cache|pool``: a process-local cache above the node's pool daemon named
+    ``name`` (started on demand, leaving ``idle_exit_s`` after its last client)."""
+    return kvfabric_transfer_config(
+        "cache|pool",
+        cache_bytes=cache_bytes,
+        pool_bytes=pool_bytes,
+        pool_idle_exit_s=idle_exit_s,
+        store_options={"pool.name": name},
+        **extra,
+    )
+
+
 def example_transfer_config(path: str | Path) -> dict[str, Any]:
     """vLLM's own ``ExampleConnector`` (safetensors files per layer), for comparison."""
     return {

@@ -16,7 +16,7 @@ import pytest
 from daemon_exit import gone, wait_gone
 from kvf_testing import segments
 
-from kvfabric.harness.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine
+from kvfabric.harness.engine import BLOCK_SIZE, kvfabric_transfer_config, make_engine, pool_transfer_config
 from kvfabric.pool.autostart import daemon_pid, probe
 
 PROMPT_LEN = 300
@@ -50,13 +50,7 @@ def test_readme_config_with_vllm_multiprocessing_hits_through_the_auto_started_d
     tiny_model, runtime, isolated_shm
 ):
     sock = str(runtime / f"kvfabric-pool-{POOL}.sock")
-    cfg = kvfabric_transfer_config(
-        "cache|pool",
-        cache_bytes="64MiB",
-        pool_bytes="128MiB",
-        pool_idle_exit_s=2,
-        store_options={"pool.name": POOL},
-    )
+    cfg = pool_transfer_config(POOL, "64MiB", "128MiB")
     eng = make_engine(tiny_model, cfg, kv_bytes=64 << 20, in_process=False)
     try:
         prompt = _prompt(21)
