@@ -4,8 +4,10 @@ vLLM imports ``KVFabricConnector`` from here (``kv_connector_module_path =
 "kvfabric.ucm_layer.connector"``); the attribute is resolved lazily, so importing this
 package does not import vLLM or torch. The parts: ``compat`` (the only module that
 imports vLLM), ``config``, ``scheduler`` / ``worker`` (the two roles on plain values),
-``plan`` (the step plan), ``stores`` (the shared store pipeline), ``metrics`` and
-``tracing``, ``plugin`` (the ``vllm.general_plugins`` entry point).
+``plan`` (the step plan), ``loads`` (asynchronous loads in flight), ``handoff`` (the
+P/D hand-off), ``hybrid`` (several KV cache groups), ``repair`` (failed loads),
+``stores`` (the shared store pipeline), ``metrics`` and ``tracing``, ``plugin`` (the
+``vllm.general_plugins`` entry point).
 """
 
 from __future__ import annotations
