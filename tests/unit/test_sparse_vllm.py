@@ -1,0 +1,198 @@
+"""kvfabric's vLLM sparse backend without an engine: the block-table rewrite and vLLM's
+real CPU kernel over it, the request tracking of the runtime with a real GSA plugin, the
+configuration's validation and the registration in vLLM's backend registry."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvfabric.ucm_layer.sparse.base import ModelSpec
+from kvfabric.ucm_layer.sparse.vllm.config import SparseBackendConfig, from_mapping
+from kvfabric.ucm_layer.sparse.vllm.rewrite import fold_heads, pack_rows, replace_rows, union_rows
+from kvfabric.ucm_layer.sparse.vllm.runtime import SparseRuntime, layer_index
+
+H, G, D, BS = 2, 3, 32, 32
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """``q (G, D)`` over ``keys/vals (N, D)``."""
+    p = torch.softmax(q @ keys.T / math.sqrt(q.shape[-1]), dim=-1)
+    return p @ vals
+
+
+def test_pack_rows_puts_the_partial_block_last_and_drops_unused() -> None:
+    tables = torch.tensor([[7, 3, 9, 4]])
+    lens = torch.tensor([[5, 32, 0, 32]])
+    bt, seq = pack_rows(tables, lens)
+    assert bt.dtype == torch.int32 and bt[0, :3].tolist() == [3, 4, 7]
+    assert seq.tolist() == [69]
+
+
+def test_union_rows_merges_heads_and_replace_rows_keeps_other_rows() -> None:
+    tables = torch.tensor([[[0, 5, 8], [0, 6, 8]]])  # one request, two heads
+    lens = torch.tensor([[[32, 32, 10], [32, 32, 10]]])
+    bt, seq = union_rows(tables, lens)
+    assert sorted(bt[0, :3].tolist()) == [0, 5, 6] and int(bt[0, 3]) == 8 and seq.tolist() == [106]
+    full = torch.arange(20, dtype=torch.int32).view(2, 10)
+    new_bt, new_sl = replace_rows(
+        full, torch.tensor([300, 310], dtype=torch.int32), {1: (tables[0], lens[0])}
+    )
+    assert torch.equal(new_bt[0], full[0]) and int(new_sl[0]) == 300
+    assert int(new_sl[1]) == 106 and int(new_bt[1, 3]) == 8
+    assert int(full[1, 0]) == 10  # the caller's table is not modified
+
+
+def _filled_cache(num_blocks: int, tokens: int, blocks: torch.Tensor):
+    """vLLM CPU cache with ``tokens`` random keys/values written through vLLM's own writer."""
+    from vllm import _custom_ops as ops
+
+    from kvfabric.ucm_layer.sparse.vllm.cpu import split_cache
+
+    kv = torch.zeros(num_blocks, H, BS, 2 * D)
+    kc, vc = split_cache(kv)
+    k, v = torch.randn(tokens, H, D), torch.randn(tokens, H, D)
+    pos = torch.arange(tokens)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, (blocks[pos // BS] * BS + pos % BS).long(), "vec")
+    return kc, vc, k, v
+
+
+def test_sparse_decode_equals_dense_attention_over_the_selected_blocks() -> None:
+    pytest.importorskip("vllm._custom_ops")
+    from kvfabric.ucm_layer.sparse.vllm.cpu import pad_selections, sparse_decode
+
+    torch.manual_seed(0)
+    nb, tokens = 24, 330  # 11 logical blocks, the last one partial (10 tokens)
+    blocks = torch.randperm(nb)[:11]
+    kc, vc, k, v = _filled_cache(nb, tokens, blocks)
+    q = torch.randn(2, H * G, D)  # two requests reading the same cache
+    logical = [
+        (torch.tensor([[0, 4, 10], [0, 7, 10]]), torch.tensor([[32, 32, 10], [32, 32, 10]])),
+        (torch.tensor([[0, 2, 3, 10], [1, 5, 9, 10]]), torch.tensor([[32, 32, 32, 10], [32, 32, 0, 10]])),
+    ]
+    tables, lens = pad_selections([(blocks[t], ln) for t, ln in logical])
+    out = sparse_decode(q, kc, vc, tables, lens, 1 / math.sqrt(D), "vec")
+    for s, (t, ln) in enumerate(logical):
+        for h in range(H):
+            toks = torch.cat(
+                [torch.arange(b * BS, b * BS + n) for b, n in zip(t[h].tolist(), ln[h].tolist()) if n]
+            )
+            ref = _reference(q[s].view(H, G, D)[h], k[toks, h], v[toks, h])
+            torch.testing.assert_close(out[s].view(H, G, D)[h], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_folded_rows_with_every_block_equal_the_stock_dense_call() -> None:
+    pytest.importorskip("vllm._custom_ops")
+    from kvfabric.ucm_layer.sparse.vllm.cpu import paged_attention, sparse_decode
+
+    torch.manual_seed(1)
+    nb, tokens = 16, 200
+    blocks = torch.randperm(nb)[:7]
+    kc, vc, _, _ = _filled_cache(nb, tokens, blocks)
+    q = torch.randn(1, H * G, D)
+    dense = torch.empty_like(q)
+    paged_attention(
+        q,
+        kc,
+        vc,
+        dense,
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([tokens], dtype=torch.int32),
+        blocks.view(1, -1).to(torch.int32),
+        1 / math.sqrt(D),
+        "vec",
+    )
+    lens = torch.full((7,), BS)
+    lens[-1] = tokens - 6 * BS
+    table = blocks.expand(H, 7)
+    out = sparse_decode(q, kc, vc, table[None], lens.expand(H, 7)[None], 1 / math.sqrt(D), "vec")
+    torch.testing.assert_close(out, dense, atol=1e-6, rtol=1e-5)
+    bt, seq = fold_heads(table[None], lens.expand(H, 7)[None])
+    assert bt.shape == (H, 7) and seq.tolist() == [tokens] * H
+
+
+def _runtime(tmp_path, **options) -> SparseRuntime:
+    cfg = from_mapping(
+        {"algorithm": "gsa", "stats_path": str(tmp_path / "stats.json"), "min_seq_len": 0, **options}
+    )
+    return SparseRuntime(
+        cfg, ModelSpec(num_layers=2, num_q_heads=H * G, num_kv_heads=H, head_dim=D, block_size=BS)
+    )
+
+
+def _step(rt: SparseRuntime, table: torch.Tensor, seqs: list[int], news: list[int]):
+    qsl = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32)
+    md = object()
+    plan = rt.plan(md, table, torch.tensor(seqs, dtype=torch.int32), qsl)
+    n = int(qsl[-1])
+    q, k, v = torch.randn(n, H * G, D), torch.randn(n, H, D), torch.randn(n, H, D)
+    chosen = []
+    for layer in range(2):
+        if plan is None:
+            break
+        chosen.append(rt.layer_begin(plan, layer, (q, k, v), kv=None))
+        rt.layer_end(plan, layer, torch.zeros(n, H * G, D), kv=None)
+    return plan, chosen
+
+
+def test_runtime_tracks_requests_by_their_first_block_and_goes_sparse_past_the_budget(tmp_path) -> None:
+    rt = _runtime(tmp_path, budget_tokens=4 * BS, sink_blocks=1, recent_blocks=1)
+    table = torch.arange(40, dtype=torch.int32).view(2, 20)
+    prompt = 10 * BS + 5
+    plan, chosen = _step(rt, table[:1], [prompt], [prompt])  # prefill: dense
+    assert plan is not None and chosen == [{}, {}]
+    plan, chosen = _step(rt, table[:1], [prompt + 1], [1])  # decode past the budget: sparse
+    assert plan.rows == [0]
+    for sel in chosen:
+        blocks, lens = sel[0]
+        assert blocks.shape == (H, 4) and int(lens[0].sum()) == 3 * BS + 6
+        assert set(blocks[:, 0].tolist()) == {0} and set(blocks[:, -1].tolist()) == {10}  # sink, recent
+    # a row whose first new position does not match what the plugin saw stays dense
+    plan, chosen = _step(rt, table, [prompt + 2, 3 * BS + 1], [1, 1])
+    assert plan.rows == [0] and set(chosen[0]) == {0}
+    # a new prefill from position 0 on the same first block replaces the finished request
+    plan, chosen = _step(rt, table[:1], [2 * BS], [2 * BS])
+    assert rt.stats.requests == 2 and len(rt._by_block) == 1
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["sparse_layer_steps"] == 4 and stats["blocks_selected"] == 16 and stats["blocks_total"] == 44
+    assert stats["layers"][0] == {"sparse": 2, "dense": 1} and stats["plugin"]["selections"] > 0
+
+
+def test_runtime_keeps_short_contexts_dense(tmp_path) -> None:
+    rt = _runtime(tmp_path, budget_tokens=8 * BS)
+    table = torch.arange(20, dtype=torch.int32).view(1, 20)
+    _step(rt, table, [6 * BS], [6 * BS])
+    plan, chosen = _step(rt, table, [6 * BS + 1], [1])
+    assert plan is not None and chosen == [{}, {}]
+    assert rt.snapshot()["dense_layer_steps"] == 2 and rt.snapshot()["sparse_layer_steps"] == 0
+
+
+def test_config_errors_name_the_key(tmp_path) -> None:
+    with pytest.raises(ValueError, match="algorithm"):
+        from_mapping({"algorithm": "nope"})
+    with pytest.raises(ValueError, match="no 'algorithm'"):
+        from_mapping({"budget_tokens": 1024})
+    with pytest.raises(ValueError, match="offload"):
+        from_mapping({"algorithm": "gsa", "offload": True})
+    with pytest.raises(ValueError, match="contradicts"):
+        from_mapping({"algorithm": "quest"}, connector_algorithm="gsa")
+    with pytest.raises(ValueError, match="budget_tokens"):
+        _runtime(tmp_path, budget_tokens=-3)
+    assert from_mapping(None, connector_algorithm="gsa") == SparseBackendConfig("gsa", {}, None)
+    assert not from_mapping(None).enabled
+    assert layer_index("model.layers.11.self_attn.attn") == 11
+
+
+def test_backends_register_once_in_vllms_registry() -> None:
+    registry = pytest.importorskip("vllm.v1.attention.backends.registry")
+    from kvfabric.ucm_layer.connector import plugin
+
+    plugin.register_backends()
+    assert plugin.register_backends() == []
+    enum = registry.AttentionBackendEnum
+    assert enum.CPU_ATTN.get_path() == plugin.BACKENDS["CPU_ATTN"]
+    assert enum.CUSTOM.get_path() == plugin.BACKENDS["CUSTOM"]
+    assert enum.CPU_ATTN.get_class().get_name() == "CPU_ATTN"
