@@ -42,7 +42,7 @@ def plot_rows(rows: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]
         fig.savefig(p, dpi=100)
         plt.close(fig)
         paths.append(p)
-    speed = [r for r in rows if r.get("case") == "speed"]
+    speed = [r for r in rows if r.get("case") == "speed" and r.get("default", True)]
     if speed:
         fig, ax = plt.subplots(figsize=(6, 4))
         for ctx in sorted({r["context"] for r in speed}):

@@ -14,8 +14,9 @@ configuration, what ``create("gsa", ...)`` runs with no options), in four cases:
 * ``needles``: the needle hit rate of GSA's variants, Quest and the oracle with 1 to 8
   needles of both kinds up to the largest context;
 * ``speed``: the GSA step's components (scoring, top-k, gather, attention) at 8K, 32K and
-  128K next to dense attention, with the scoring share (median and quartiles) and the
-  machine's busy fraction while it was timed;
+  128K next to dense attention, for GSA's default and the default before (``gsa-r16``),
+  with the scoring share (median and quartiles) and the machine's busy fraction while it
+  was timed;
 * ``smollm2``: SmolLM2-135M-Instruct on passkey prompts: real captured attention scored
   like the synthetic case, and the decode loop through the hooks (passkey answer and
   next-token KL against dense). Skipped with a note when the model cannot be fetched.
@@ -131,16 +132,23 @@ def _needles(ctx: BenchContext, contexts: list[int]) -> Iterator[dict[str, Any]]
                     yield _row("needles", m, q, None, needles=k, needle_kind=kind)
 
 
+#: the speed case: GSA's default, and the default before issue 13 (rank 16, keys basis)
+SPEED_METHODS = (
+    (MethodSpec("gsa", "gsa", {}, default=True)),
+    MethodSpec("gsa-r16", "gsa", {"rank": 16, **KEYS}),
+)
+
+
 def _speed(ctx: BenchContext, contexts: list[int], budgets: list[int]) -> Iterator[dict[str, Any]]:
-    for n in contexts:
+    for n, m in ((n, m) for n in contexts for m in SPEED_METHODS):
         cpu0 = read_cpu_row()
-        timings = time_steps(n, budgets, rounds=max(ctx.rounds, 9))
+        timings = time_steps(n, budgets, rounds=max(ctx.rounds, 9), options=dict(m.options or {}))
         busy = round(cpu_busy_fraction((cpu0, read_cpu_row())), 2)
         for t in timings:
             yield {
                 "case": "speed",
-                "method": "gsa",
-                "default": True,
+                "method": m.label,
+                "default": m.default,
                 "context": n,
                 "budget": t.budget,
                 "speedup_vs_dense": round(t.speedup, 2),

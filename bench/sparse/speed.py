@@ -76,9 +76,8 @@ def time_steps(
     v_cache = torch.randn(shape, generator=gen)
     q = torch.randn((num_kv_heads, group, head_dim), generator=gen)
     kd, vd = k_cache.view(num_kv_heads, context, head_dim), v_cache.view(num_kv_heads, context, head_dim)
-    scorer = SvdMaxNormScorer(
-        num_kv_heads, head_dim, block_size, rank=rank, basis_tokens=8192, **(options or {})
-    )
+    opts = {"rank": rank, "basis_tokens": 8192, **(options or {})}
+    scorer = SvdMaxNormScorer(num_kv_heads, head_dim, block_size, **opts)
     scorer.fit(kd, torch.randn((num_kv_heads, 256 * group, head_dim), generator=gen))
     share = scorer.priority_share
 
