@@ -21,7 +21,21 @@ from typing import Any, ClassVar
 import torch
 
 from kvfabric.registry import Registry
+from kvfabric.settings import coerce_fields
 from kvfabric.ucm_layer.sparse.selection import combine_group
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorerOptions:
+    """Base of a scorer's options class (``BlockScorer.options``): a frozen dataclass in
+    kvfabric's configuration language (``kvfabric.settings``), each field checked against
+    its type and range on construction, a bad value a ``ValueError`` naming it as
+    ``"<scorer> scorer option <key>"``."""
+
+    scorer: ClassVar[str] = "block"
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"{self.scorer} scorer option {key}")
 
 
 class BlockScorer(abc.ABC):
@@ -344,6 +358,7 @@ __all__ = [
     "GrowingCols",
     "GrowingRows",
     "RowMaxScorer",
+    "ScorerOptions",
     "TokenRowsScorer",
     "block_view",
     "edge_block_view",

@@ -11,23 +11,21 @@ so the Hamming count is one matrix product; packing is a storage detail.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from kvfabric.settings import coerce_fields, setting
-from kvfabric.ucm_layer.sparse.scorer import TokenRowsScorer, block_view
+from kvfabric.settings import setting
+from kvfabric.ucm_layer.sparse.scorer import ScorerOptions, TokenRowsScorer, block_view
 
 
 @dataclass(frozen=True)
-class HataOptions:
-    """The ``hata`` plugin's scorer keys (checked like every kvfabric config)."""
+class HataOptions(ScorerOptions):
+    """The ``hata`` plugin's scorer keys."""
 
+    scorer: ClassVar[str] = "hata"
     bits: int = setting(128, lo=1, doc="sign bits per token")
     seed: int = setting(0, doc="seed of the random projections")
-
-    def __post_init__(self) -> None:
-        coerce_fields(self, lambda key: f"hata scorer option {key}")
 
 
 class HataScorer(TokenRowsScorer):

@@ -41,12 +41,12 @@ ranks by the bound alone. The bound stays what ``bound()`` returns in every mode
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from kvfabric.settings import coerce_fields, setting
-from kvfabric.ucm_layer.sparse.scorer import RowMaxScorer
+from kvfabric.settings import setting
+from kvfabric.ucm_layer.sparse.scorer import RowMaxScorer, ScorerOptions
 
 _GRAM_CHUNK = 16384
 
@@ -94,7 +94,7 @@ def default_rank(head_dim: int) -> int:
 
 
 @dataclass(frozen=True)
-class SummaryOptions:
+class SummaryOptions(ScorerOptions):
     """The options of GSA's scorer (the ``gsa`` plugin's scorer keys), in kvfabric's
     configuration language: each checked against its type and range, a bad value a
     ``ValueError`` naming it; limits that depend on the head dimension are checked by the
@@ -113,8 +113,10 @@ class SummaryOptions:
     query_weight: float = setting(0.35, lo=0, hi=1, doc="keys+queries: the queries' weight in the basis")
     bound_share: float = setting(0.5, gt=0, hi=1, doc="mixed: share of the free blocks taken by the bound")
 
+    scorer: ClassVar[str] = "gsa"
+
     def __post_init__(self) -> None:
-        coerce_fields(self, lambda key: f"gsa scorer option {key}")
+        super().__post_init__()
         if self.bound_share >= 1:
             raise ValueError(
                 f"gsa scorer option bound_share={self.bound_share!r}: expected a number in (0, 1)"
