@@ -105,6 +105,7 @@ def smollm2_rows(ctx: BenchContext, contexts: list[int], budget: int = 1024) -> 
             yield {
                 **base,
                 "method": "dense",
+                "default": False,
                 "context": len(pk.ids),
                 "budget": len(pk.ids),
                 "recall": 1.0,
@@ -203,6 +204,7 @@ def _offload_row(
     h2d = st.get("h2d_bytes", 0.0) / steps / dense_bytes
     return {
         "method": "gsa-offload",
+        "default": False,  # GSA's default options, with offload on
         "context": len(pk.ids),
         "budget": budget,
         "recall": None,
