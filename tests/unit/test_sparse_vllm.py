@@ -114,13 +114,12 @@ def test_folded_rows_with_every_block_equal_the_stock_dense_call() -> None:
     assert bt.shape == (H, 7) and seq.tolist() == [tokens] * H
 
 
-def _runtime(tmp_path, **options) -> SparseRuntime:
+def _runtime(tmp_path, idle_steps: int = 32, **options) -> SparseRuntime:
     cfg = from_mapping(
         {"algorithm": "gsa", "stats_path": str(tmp_path / "stats.json"), "min_seq_len": 0, **options}
     )
-    return SparseRuntime(
-        cfg, ModelSpec(num_layers=2, num_q_heads=H * G, num_kv_heads=H, head_dim=D, block_size=BS)
-    )
+    spec = ModelSpec(num_layers=2, num_q_heads=H * G, num_kv_heads=H, head_dim=D, block_size=BS)
+    return SparseRuntime(cfg, spec, idle_steps=idle_steps)
 
 
 def _step(rt: SparseRuntime, table: torch.Tensor, seqs: list[int], news: list[int]):
@@ -168,6 +167,18 @@ def test_runtime_keeps_short_contexts_dense(tmp_path) -> None:
     plan, chosen = _step(rt, table, [6 * BS + 1], [1])
     assert plan is not None and chosen == [{}, {}]
     assert rt.snapshot()["dense_layer_steps"] == 2 and rt.snapshot()["sparse_layer_steps"] == 0
+
+
+def test_runtime_finishes_requests_no_row_matched_for_idle_steps(tmp_path) -> None:
+    rt = _runtime(tmp_path, idle_steps=2, budget_tokens=4 * BS)
+    table = torch.arange(40, dtype=torch.int32).view(2, 20)
+    _step(rt, table[:1], [3 * BS], [3 * BS])
+    _step(rt, table[1:], [2 * BS], [2 * BS])
+    for n in range(1, 3):
+        _step(rt, table[1:], [2 * BS + n], [1])
+    assert {st.first_block for st in rt._by_block.values()} == {20}
+    plan, _ = _step(rt, table[:1], [3 * BS + 1], [1])  # the finished request's row is not trusted
+    assert plan is None
 
 
 def test_config_errors_name_the_key(tmp_path) -> None:

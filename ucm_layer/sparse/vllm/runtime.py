@@ -28,7 +28,9 @@ the same block means the old request finished) plus the number of tokens the plu
 seen for it, which must equal the row's first new position. A row that matches no state
 (a prefix-cache hit that did not compute its prompt from position 0, a state evicted
 because more than ``max_requests`` rows were tracked) stays dense; two rows matching one
-state in a step are both dense and the state is dropped.
+state in a step are both dense and the state is dropped. A state no row matched for
+``idle_steps`` steps is finished (``request_finished``): vLLM schedules a running request
+in every step, and a finished request's row never comes back.
 
 Memory: the runtime reads vLLM's metadata and the step's query/key/value; it never writes
 vLLM's tensors (the impl rewrites copies of the block table). Stats are host counters.
@@ -100,13 +102,18 @@ class SparseRuntime:
     """The plugin, the request tracking and the counters of one worker (see module doc)."""
 
     def __init__(
-        self, config: SparseBackendConfig, spec: ModelSpec, rank: int = 0, max_requests: int = 4096
+        self,
+        config: SparseBackendConfig,
+        spec: ModelSpec,
+        rank: int = 0,
+        max_requests: int = 4096,
+        idle_steps: int = 32,
     ) -> None:
         if not config.enabled:
             raise ValueError("SparseRuntime needs a configuration with an algorithm")
         self.config, self.spec = config, spec
         self.plugin: UcmSparseBase = create(str(config.algorithm), spec, dict(config.options))
-        self.max_requests = max_requests
+        self.max_requests, self.idle_steps = max_requests, idle_steps
         self.stats_path = config.stats_path.replace("{rank}", str(rank)) if config.stats_path else None
         self.stats = RuntimeStats(layers=[LayerCounters() for _ in range(spec.num_layers)])
         self._by_block: dict[int, _Tracked] = {}
@@ -200,13 +207,15 @@ class SparseRuntime:
         return self._plan
 
     def _evict(self, step: int) -> None:
-        over = len(self._by_block) - self.max_requests
-        if over <= 0:
-            return
-        stale = sorted(
-            (st for st in self._by_block.values() if st.last_step < step), key=lambda s: s.last_step
-        )
-        for st in stale[:over]:
+        """Finish the states no row matched for ``idle_steps`` steps (vLLM schedules a running
+        request every step; a finished one never matches again), then the oldest beyond
+        ``max_requests``."""
+        idle = [st for st in self._by_block.values() if step - st.last_step > self.idle_steps]
+        over = len(self._by_block) - len(idle) - self.max_requests
+        if over > 0:
+            live = (st for st in self._by_block.values() if st.last_step < step and st not in idle)
+            idle += sorted(live, key=lambda s: s.last_step)[:over]
+        for st in idle:
             self._by_block.pop(st.first_block, None)
             self.plugin.request_finished(st.rid)
 
