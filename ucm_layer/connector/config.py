@@ -26,9 +26,10 @@ given inline override the file's):
 ``layerwise``          load and dump layer by layer (default false: whole requests)
 ``sparse``             a sparse decode-attention algorithm of ``kvfabric.ucm_layer.sparse``
                        (``"gsa"``, ``"quest"``, ...; ``true`` means ``"gsa"``; default off).
-                       vLLM does not call sparse-attention hooks without engine patches, so
-                       in vLLM it only logs that decode attention stays dense; engines that
-                       call the ``UcmSparseBase`` hooks build the algorithm by this name
+                       In vLLM, kvfabric's attention backend (``ucm_layer/sparse/vllm``,
+                       registered by the plugin) reads it and runs long decodes sparse;
+                       its budget and thresholds come from ``additional_config
+                       ["kvfabric_sparse"]`` or ``KVFABRIC_SPARSE`` (docs/sparse.md)
 ``load_timeout_s``     a load not finished by then is a failed load (default 60)
 ``async_load``         load a request's prefix off the forward's thread: vLLM keeps the
                        request waiting until its blocks are in place while the other

@@ -139,11 +139,9 @@ class WorkerSide:
         self._load_trouble = False
         self._save_trouble = False
         if cfg.sparse:
-            log.warning(
-                "kvfabric: sparse attention %r is configured, but vLLM does not call sparse-attention "
-                "hooks without engine patches: decode attention stays dense. Engines that call the "
-                "UcmSparseBase hooks build it with kvfabric.ucm_layer.sparse.base.create(%r, ...).",
-                cfg.sparse,
+            log.info(
+                "kvfabric: sparse attention %r runs in kvfabric's attention backend "
+                "(budget and thresholds: additional_config['kvfabric_sparse'], docs/sparse.md)",
                 cfg.sparse,
             )
 
