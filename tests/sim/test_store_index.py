@@ -121,5 +121,6 @@ def test_stores_of_one_process_have_no_index(spec, extra, why, plat):
 def test_shared_specs_have_no_reason(tmp_path):
     assert unshared_reason("cache|posix", {"posix.dirs": str(tmp_path)}) is None
     assert unshared_reason("cache|pool", {"pool.socket": str(tmp_path / "p.sock")}) is None
+    assert unshared_reason("cache|pool", {"pool": {"tcp": "10.0.0.2:7000"}}) is None  # nested form
     with pytest.raises(ValueError, match="unknown config key"):
         create_index(config={"store": "posix", "posix.dirz": "x"}, layout=LAYOUT)

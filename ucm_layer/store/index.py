@@ -98,7 +98,10 @@ class PoolIndex(_Index):
 
     @classmethod
     def unshared(cls, config: Mapping[str, Any]) -> str | None:
-        if config.get("pool.socket") or config.get("pool.tcp"):
+        from kvfabric.ucm_layer.store.pool import PoolStoreConfig
+
+        cfg = PoolStoreConfig.from_mapping(config)  # flat or nested keys, checked
+        if cfg.socket or cfg.tcp:
             return None
         return "the pool store without pool.socket or pool.tcp embeds a pool in each process"
 
