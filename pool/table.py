@@ -255,6 +255,15 @@ class TableView:
         off, n = int(s["key_off"]), int(s["key_len"])
         return bytes(self.arena[off : off + n])
 
+    def readable_keys(self) -> tuple[np.ndarray, np.ndarray, bytes]:
+        """A copy of what names the readable objects: ``(offsets, lengths, arena bytes)``,
+        key ``i`` being ``arena[offsets[i] : offsets[i] + lengths[i]]``. Array copies
+        only (no Python per key), so the service's writer may hold its lock around it for
+        a large table and decode the keys after letting go."""
+        live = self.slots[self.slots["state"] == SlotState.READABLE]
+        used = int(self.hdr["arena_used"][0])
+        return live["key_off"].astype(np.int64), live["key_len"].astype(np.int64), bytes(self.arena[:used])
+
     def close(self) -> None:
         self.slots = self.hdr = self.arena = None  # type: ignore[assignment]
         self.seg.close()

@@ -66,6 +66,10 @@ class Dispatcher:
         space fenced for a writer that stalled is released once that process is gone."""
         op = type(req).__struct_config__.tag
         t0 = time.perf_counter()
+        if isinstance(req, p.ListKeys):  # pages of a large pool: not under the lock
+            reply = self._list_keys_reply(req)
+            self.metrics.observe(op, time.perf_counter() - t0, reply)
+            return reply
         with self.lock:
             try:
                 self.check_request(req)
@@ -186,8 +190,6 @@ class Dispatcher:
             return p.Reply(e, data={"removed": s.remove_all()})
         if isinstance(req, p.Reregister):
             return p.Reply(e, status=s.reregister(req.keys, req.gvas, req.sizes, req.gens, req.sums))
-        if isinstance(req, p.ListKeys):
-            return p.Reply(e, data=self._list_keys(req))
         if isinstance(req, (p.Info, p.Hello)):
             return p.Reply(e, data=self.info())
         raise ValueError(f"unsupported request {type(req).__name__}")
@@ -206,16 +208,29 @@ class Dispatcher:
             "uptime_s": round(time.time() - self.started, 1),
         }
 
-    def _list_keys(self, req: p.ListKeys) -> dict[str, Any]:
-        import numpy as np
-
-        view = self.service.table.view
-        live = np.flatnonzero(view.slots["state"] == 2)  # READABLE
-        keys = sorted(k for k in (view.key_of(int(i)) for i in live) if k.startswith(req.prefix))
+    def _list_keys_reply(self, req: p.ListKeys) -> p.Reply:
+        """``ListKeys``: the readable keys are copied out of the table under the lock (array
+        copies, no Python per key), then filtered, sorted and paged after letting go, so
+        listing a pool of 10^6 objects does not hold up its metadata RPCs."""
+        with self.lock:
+            try:
+                self.check_request(req)
+            except (ValueError, TypeError) as e:
+                return p.Reply(self.epoch, error=f"list_keys: {e}")
+            epoch = self.epoch
+            offsets, lengths, arena = self.service.table.view.readable_keys()
+        keys = sorted(
+            k
+            for k in (arena[o : o + n] for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True))
+            if k.startswith(req.prefix)
+        )
         page = keys[req.start : req.start + max(0, min(req.limit, 10_000))]
         nxt = req.start + len(page)
-        return {
-            "keys": [key_text(k) for k in page],  # binary bytes as \xNN (keys.key_text)
-            "total": len(keys),
-            "next": nxt if nxt < len(keys) else None,
-        }
+        return p.Reply(
+            epoch,
+            data={
+                "keys": [key_text(k) for k in page],  # binary bytes as \xNN (keys.key_text)
+                "total": len(keys),
+                "next": nxt if nxt < len(keys) else None,
+            },
+        )

@@ -212,3 +212,23 @@ def test_eviction_spares_leased_objects(pool, client):
     cap = client.info()["capacity"][0]
     assert cap["evictions"] > 0 and cap["used"] <= 16 * MiB
     remote.close()
+
+
+def test_listing_keys_pages_them_without_holding_the_service_lock(pool, client, monkeypatch):
+    """``ListKeys`` copies the readable keys under the lock and decodes, sorts and pages them
+    after letting go: a metadata RPC is never held up by the listing of a large pool."""
+    from kvfabric.pool import protocol as p
+    from kvfabric.pool.service import dispatch
+
+    keys = [f"kv/{i:04d}" for i in range(300)] + ["other/x", b"kv/\x8a\x00"]
+    assert (client.batch_put(keys, [b"v"] * len(keys)) == Status.OK).all()
+    d = pool.dispatcher
+    held = []
+    real = dispatch.key_text
+    monkeypatch.setattr(dispatch, "key_text", lambda k: held.append(d.lock.locked()) or real(k))
+    reply = d.handle(p.ListKeys(b"kv/", 10, 5))
+    assert not reply.error and held and not any(held)
+    assert reply.data == {"keys": [f"kv/{i:04d}" for i in range(10, 15)], "total": 301, "next": 15}
+    last = d.handle(p.ListKeys(b"kv/", 300, 10)).data
+    assert last == {"keys": ["kv/\\x8a\\x00"], "total": 301, "next": None}
+    assert "list_keys" in d.handle(p.ListKeys("kv/", 0, 1)).error  # a str prefix: refused, named
