@@ -51,6 +51,7 @@ from kvfabric.errors import KVFabricError
 from kvfabric.platform import shm
 from kvfabric.platform.base import Platform
 from kvfabric.pool.config import PoolConfig
+from kvfabric.pool.service.health import check_health
 from kvfabric.pool.service.http import HttpEndpoint
 from kvfabric.pool.service.lock import PidLock
 from kvfabric.pool.service.node import PoolNode, StartStage
@@ -155,7 +156,8 @@ class PoolDaemon:
             self.rpc.start()
             self._checkpoint(StartStage.RPC)
             if self.config.http_addr is not None:
-                self.http = HttpEndpoint(self.node.dispatcher, *self.config.http_addr)
+                node = self.node
+                self.http = HttpEndpoint(node.dispatcher, *self.config.http_addr, lambda: check_health(node))
                 self.http.start()
             self._checkpoint(StartStage.HTTP)
         except BaseException:

@@ -1,6 +1,8 @@
 """The pool daemon's HTTP endpoint: ``/health``, ``/metrics``, ``/capacity``, ``/keys``.
 
-``/health`` answers 200 with JSON (ready, ranks, capacity, objects); ``/metrics`` is the
+``/health`` answers 200 with JSON (ready, epoch, ranks, capacity, objects) when the node's
+checks pass (``health.py``: table published, fabric joined, rendezvous reachable, not out
+of space) and 503 with ``failing`` (check -> reason) when one does not; ``/metrics`` is the
 Prometheus text format of ``kvfabric_pool_*``; ``/capacity`` lists each window's
 capacity, use and evictions; ``/keys?prefix=P&start=N&limit=M`` pages through readable
 keys, each rendered by ``keys.key_text`` (text as it is, other bytes as ``\\xNN``; a
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -19,9 +22,10 @@ from urllib.parse import parse_qs, urlparse
 from kvfabric.pool import protocol as p
 from kvfabric.pool.keys import key_from_text
 from kvfabric.pool.service.dispatch import Dispatcher
+from kvfabric.pool.service.health import Health
 
 
-def _handler(dispatcher: Dispatcher) -> type[BaseHTTPRequestHandler]:
+def _handler(dispatcher: Dispatcher, health: Callable[[], Health]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args: Any) -> None:  # quiet: the daemon logs
             pass
@@ -39,16 +43,8 @@ def _handler(dispatcher: Dispatcher) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             url = urlparse(self.path)
             if url.path == "/health":
-                info = dispatcher.handle(p.Info()).data
-                self._json(
-                    {
-                        "ready": True,
-                        "epoch": info["epoch"],
-                        "objects": info["objects"],
-                        "ranks": info["ranks"],
-                        "capacity": info["capacity"],
-                    }
-                )
+                h = health()
+                self._json(h.as_json(), 200 if h.ready else 503)
             elif url.path == "/metrics":
                 with dispatcher.lock:
                     dispatcher.metrics.update_state(dispatcher.service)
@@ -83,10 +79,11 @@ def _handler(dispatcher: Dispatcher) -> type[BaseHTTPRequestHandler]:
 
 
 class HttpEndpoint:
-    """The HTTP server thread (``port`` 0 picks a free port; ``self.port`` tells which)."""
+    """The HTTP server thread (``port`` 0 picks a free port; ``self.port`` tells which);
+    ``health`` runs the node's checks for ``/health`` (``health.check_health``)."""
 
-    def __init__(self, dispatcher: Dispatcher, host: str, port: int) -> None:
-        self.server = ThreadingHTTPServer((host, port), _handler(dispatcher))
+    def __init__(self, dispatcher: Dispatcher, host: str, port: int, health: Callable[[], Health]) -> None:
+        self.server = ThreadingHTTPServer((host, port), _handler(dispatcher, health))
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(

@@ -60,6 +60,9 @@ class MetaService:
         self.counters = Counters()
         self.fence = WriteFence(self.table, self.windows, self.counters, config.fence_grace_s)
         self._full_warned = False
+        #: when (``clock``) an allocation that fits a window was last refused for space, and
+        #: whether that is still the latest outcome (an allocation since clears it): /health
+        self.space_refused_at: float | None = None
 
     # ------------------------------------------------------------------ windows
     def add_window(self, rank: int, medium: Medium, size: int) -> Window:
@@ -159,10 +162,14 @@ class MetaService:
             gva = w.lo + off
             if not self._insert(key, gva, size, gen):
                 w.alloc.free(off, size)
+                self.space_refused_at = now
                 return Status.NO_SPACE, 0, 0
             self.write_leases[key] = WriteLease(client, gva, size, gen, now + self.config.write_lease_s, pid)
             self._watermark(w)
+            self.space_refused_at = None
             return Status.OK, gva, gen
+        if wins:  # it would fit a window: the pool is full, not the request too large
+            self.space_refused_at = now
         return Status.NO_SPACE, 0, 0
 
     def _insert(self, key: bytes, gva: int, size: int, gen: int) -> bool:

@@ -1,0 +1,140 @@
+"""What the daemon's ``/health`` answers: is this pool node fit to take traffic?
+
+A load balancer or an orchestrator's readiness probe asks ``/health``; it gets 200 with
+``{"ready": true, ...}`` when every check passes and 503 with ``{"ready": false,
+"failing": {check: reason}}`` otherwise. The checks (:class:`Check`):
+
+``table``       the directory table is published: the node finished starting and the
+                table clients map carries the service's epoch (a restart that has not
+                re-published it, or a retired table, fails);
+``fabric``      the node's rank 0 is a joined member of its GVA fabric;
+``rendezvous``  the rendezvous store (the node's own server or etcd) answers a read
+                within ``RENDEZVOUS_TIMEOUT_S`` and the fabric's session is not lost;
+``space``       the latest allocation that fits a window was not refused for space
+                (eviction could not make room: the windows are held by write leases,
+                read leases or fences, or the directory is full of such objects) — once
+                an allocation succeeds again the check passes.
+
+:func:`check_health` reads the node; the table, fabric and space checks take the
+dispatcher's lock for a moment (no RPC waits behind a probe longer than a dictionary
+read), the rendezvous read runs outside it.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvfabric.pool.service.node import PoolNode
+
+RENDEZVOUS_TIMEOUT_S = 1.0
+
+
+class Check(enum.Enum):
+    TABLE = "table"
+    FABRIC = "fabric"
+    RENDEZVOUS = "rendezvous"
+    SPACE = "space"
+
+
+@dataclass(frozen=True)
+class Health:
+    """One probe's outcome: ``failing`` maps each failed check to why (empty: ready)."""
+
+    failing: dict[Check, str] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return not self.failing
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ready": self.ready, **self.details}
+        if self.failing:
+            out["failing"] = {c.value: why for c, why in self.failing.items()}
+        return out
+
+
+def _table(node: PoolNode) -> str | None:
+    if not node.serving:
+        return "the node has not finished starting (or is stopping)"
+    try:
+        published = node.table.epoch
+    except Exception as e:  # noqa: BLE001 - a closed or retired table: reported
+        return f"the directory table cannot be read: {type(e).__name__}: {e}"
+    if published != node.dispatcher.epoch:
+        return f"the directory table carries epoch {published}, the service {node.dispatcher.epoch}"
+    return None
+
+
+def _fabric(node: PoolNode) -> str | None:
+    from kvfabric.pool.gva.fabric import FabricState
+
+    fab = getattr(node, "fabric", None)
+    if fab is None:
+        return "the node has no fabric rank"
+    if fab.state is not FabricState.JOINED:
+        return f"the node's fabric rank is {fab.state.value}, not joined"
+    return None
+
+
+_probes: weakref.WeakKeyDictionary[Any, threading.Thread] = weakref.WeakKeyDictionary()
+_probes_lock = threading.Lock()
+
+
+def _rendezvous(node: PoolNode) -> str | None:
+    fab = getattr(node, "fabric", None)
+    store = getattr(fab, "store", None)
+    if store is None:
+        return "no rendezvous store"
+    if store.session_lost:
+        return "the fabric's rendezvous session is lost"
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            store.try_get("kvfabric/health")  # any read: absent is fine, silence is not
+        except BaseException as e:  # noqa: BLE001 - reported by the probe
+            errors.append(e)
+
+    with _probes_lock:  # one read in flight per store: probes never pile up behind a hung one
+        previous = _probes.get(store)
+        if previous is not None and previous.is_alive():
+            return "the rendezvous store has not answered an earlier read yet"
+        t = threading.Thread(target=read, name="kvfabric-health-probe", daemon=True)
+        _probes[store] = t
+        t.start()
+    t.join(RENDEZVOUS_TIMEOUT_S)
+    if t.is_alive():
+        return f"the rendezvous store did not answer a read within {RENDEZVOUS_TIMEOUT_S:g} s"
+    if errors:
+        return f"the rendezvous store did not answer a read: {type(errors[0]).__name__}: {errors[0]}"
+    return None
+
+
+def _space(node: PoolNode) -> str | None:
+    refused = node.service.space_refused_at
+    if refused is None:
+        return None
+    ago = node.service.clock() - refused
+    return f"the latest allocation was refused for space {ago:.1f} s ago (nothing evictable)"
+
+
+def check_health(node: PoolNode) -> Health:
+    """Run every check on ``node`` (see module docstring)."""
+    failing: dict[Check, str] = {}
+    with node.dispatcher.lock:
+        for check, fn in ((Check.TABLE, _table), (Check.FABRIC, _fabric), (Check.SPACE, _space)):
+            why = fn(node)
+            if why:
+                failing[check] = why
+        info = node.dispatcher.info()
+    why = _rendezvous(node)
+    if why:
+        failing[Check.RENDEZVOUS] = why
+    details = {k: info[k] for k in ("epoch", "objects", "ranks", "capacity") if k in info}
+    return Health(failing, details)
