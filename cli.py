@@ -128,6 +128,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvfabric.doctor import Outcome, run
+
+    findings = run(args.fingerprint or (), args.config)
+    if args.json:
+        for f in findings:
+            print(json.dumps(f.as_json()))
+    else:
+        t = Table("check", "outcome", "what was found", title="kvfabric doctor")
+        for f in findings:
+            t.add_row(f.check, f.outcome.value, f.detail)
+        Console().print(t)
+    return 1 if any(f.outcome is Outcome.FAILED for f in findings) else 0
+
+
 def cmd_shm(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -168,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads for timed work (gsa)")
     b.set_defaults(fn=cmd_bench)
+    d = sub.add_parser("doctor", help="why is my hit rate zero: hashing, fingerprints, the store")
+    d.add_argument(
+        "--fingerprint",
+        action="append",
+        metavar="FILE",
+        help="an engine's fingerprint (JSON, or a log with the connector's start-up line); twice or more",
+    )
+    d.add_argument("--config", metavar="FILE", help="the connector's YAML: try its store with one block")
+    d.add_argument("--json", action="store_true", help="one JSON object per check")
+    d.set_defaults(fn=cmd_doctor)
     c = sub.add_parser("compare", help="two benchmark runs' ratios side by side (JSON lines of bench --json)")
     c.add_argument("before", help="JSON lines of the run before the change")
     c.add_argument("after", help="JSON lines of the run after it")

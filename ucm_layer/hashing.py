@@ -27,6 +27,7 @@ Thread-safe: a :class:`BlockHasher` is immutable.
 from __future__ import annotations
 
 import array
+import dataclasses
 import hashlib
 import logging
 import struct
@@ -140,6 +141,26 @@ class Fingerprint:
     def digest(self) -> bytes:
         """16 bytes: BLAKE2b-128 of the canonical encoding of :meth:`fields`."""
         return hashlib.blake2b(encode_key(self.fields()), digest_size=16, person=PERSON_FINGERPRINT).digest()
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The fields by name (what the connector logs at start-up, what ``kvfabric doctor``
+        compares)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_mapping(cls, data: Any) -> Fingerprint:
+        """A fingerprint from :meth:`to_mapping`'s form; ``ValueError`` naming a missing or
+        unknown field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a fingerprint is a mapping of its fields, got {type(data).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"unknown fingerprint field(s) {unknown}; known: {known}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"fingerprint: {e}") from None
 
 
 # ---------------------------------------------------------------------------- tags

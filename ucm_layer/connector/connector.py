@@ -28,6 +28,7 @@ groups of other kinds (Mamba, chunked local attention) or other block sizes are 
 
 from __future__ import annotations
 
+import json
 import logging
 import weakref
 from typing import Any
@@ -203,6 +204,12 @@ class KVFabricConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             self._layout_note = "unknown: kv_cache_config does not give the block count"
         self._hasher = hashing.BlockHasher(
             _fingerprint(self.cfg, self.info, kv_cache_config, self.expected_layout)
+        )
+        fp = self._hasher.fingerprint
+        log.info(  # what `kvfabric doctor --fingerprint` compares between two engines
+            "kvfabric: block ids use fingerprint %s %s",
+            fp.digest().hex()[:16],
+            json.dumps(fp.to_mapping(), sort_keys=True),
         )
         self._tracer = Tracer(self.cfg.otlp_endpoint)
         self._kv_cache_config = kv_cache_config
