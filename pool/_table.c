@@ -30,7 +30,9 @@ static int backoff(int attempt, struct timespec *start)
 
 typedef struct {
     uint64_t magic, layout, nslots, struct_seq, count, arena_size, arena_used, epoch;
-    uint64_t reserved[8];
+    uint64_t retired;
+    uint64_t local_keys, local_hits, local_hit_bytes, local_corrupt; /* on-node reads (clients) */
+    uint64_t reserved[3];
 } kvf_hdr;
 
 typedef struct {
@@ -61,7 +63,7 @@ int64_t kvf_tbl_lookup(uint64_t base, uint64_t h, const uint8_t *key, uint32_t k
     kvf_slot *slots = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr));
     uint64_t nslots = hdr->nslots;
     const uint8_t *arena = (const uint8_t *)(slots + nslots);
-    if (LOAD_ACQ(&hdr->reserved[0])) return -3;              /* retired: the service restarted */
+    if (LOAD_ACQ(&hdr->retired)) return -3;              /* retired: the service restarted */
     struct timespec start = {0, 0};
     for (int attempt = 0; backoff(attempt, &start); attempt++) {
         uint64_t g1 = LOAD_ACQ(&hdr->struct_seq);
@@ -118,7 +120,7 @@ uint64_t kvf_tbl_seq(uint64_t base, int64_t i)
     kvf_hdr *hdr = (kvf_hdr *)(uintptr_t)base;
     kvf_slot *slots = (kvf_slot *)(uintptr_t)(base + sizeof(kvf_hdr));
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    if (LOAD_ACQ(&hdr->reserved[0])) return ~0ULL;          /* retired: nothing read from it counts */
+    if (LOAD_ACQ(&hdr->retired)) return ~0ULL;          /* retired: nothing read from it counts */
     return (uint64_t)i < hdr->nslots ? LOAD_ACQ(&slots[i].seq) : ~0ULL;
 }
 
@@ -146,6 +148,16 @@ void kvf_key_hash_batch(const uint8_t *keys, const uint64_t *offs, const uint32_
 void kvf_tbl_seq_batch(uint64_t base, const int64_t *idx, uint64_t n, uint64_t *out)
 {
     for (uint64_t k = 0; k < n; k++) out[k] = kvf_tbl_seq(base, idx[k]);
+}
+
+/* One read call's outcome added to the header's on-node read counters (any process). */
+void kvf_tbl_count_reads(uint64_t base, uint64_t keys, uint64_t hits, uint64_t bytes, uint64_t corrupt)
+{
+    kvf_hdr *hdr = (kvf_hdr *)(uintptr_t)base;
+    __atomic_fetch_add(&hdr->local_keys, keys, __ATOMIC_RELAXED);
+    if (hits) __atomic_fetch_add(&hdr->local_hits, hits, __ATOMIC_RELAXED);
+    if (bytes) __atomic_fetch_add(&hdr->local_hit_bytes, bytes, __ATOMIC_RELAXED);
+    if (corrupt) __atomic_fetch_add(&hdr->local_corrupt, corrupt, __ATOMIC_RELAXED);
 }
 
 void kvf_tbl_touch_batch(uint64_t base, const int64_t *idx, uint64_t n, uint32_t now)

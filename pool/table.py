@@ -51,9 +51,17 @@ HDR = np.dtype(
         ("arena_size", "<u8"),
         ("arena_used", "<u8"),
         ("epoch", "<u8"),
-        ("reserved", "<u8", (8,)),
+        ("retired", "<u8"),  # 1 once a restarted service has replaced this table
+        # on-node reads, counted by the clients that serve them from this table (atomic adds):
+        ("local_keys", "<u8"),  # keys asked of the table by reads (get / batch get)
+        ("local_hits", "<u8"),  # of those, served from the node's memory
+        ("local_hit_bytes", "<u8"),  # bytes they moved
+        ("local_corrupt", "<u8"),  # reads refused by the checksum check (a miss)
+        ("reserved", "<u8", (3,)),
     ]
 )
+#: the header's on-node read counters (``TableView.count_reads``, ``kvf_tbl_count_reads``)
+LOCAL_READS = ("local_keys", "local_hits", "local_hit_bytes", "local_corrupt")
 SLOT = np.dtype(
     [
         ("seq", "<u8"),
@@ -86,6 +94,7 @@ void kvf_key_hash_batch(const uint8_t *keys, const uint64_t *offs, const uint32_
                         uint64_t *out);
 void kvf_tbl_seq_batch(uint64_t base, const int64_t *idx, uint64_t n, uint64_t *out);
 void kvf_tbl_touch_batch(uint64_t base, const int64_t *idx, uint64_t n, uint32_t now);
+void kvf_tbl_count_reads(uint64_t base, uint64_t keys, uint64_t hits, uint64_t bytes, uint64_t corrupt);
 int64_t kvf_tbl_insert(uint64_t base, uint64_t h, const uint8_t *key, uint32_t klen, uint64_t gva,
                        uint64_t size, uint64_t gen, uint32_t state, uint32_t now, uint32_t expire);
 void kvf_tbl_set_state(uint64_t base, int64_t i, uint32_t state, uint32_t now, uint32_t expire,
@@ -242,13 +251,23 @@ class TableView:
 
     def retire(self) -> None:
         """Mark the table dead (a restarted service): readers stop trusting it."""
-        self.hdr["reserved"][0, 0] = 1
+        self.hdr["retired"][0] = 1
         native().lib.kvf_seq_end(self.base + 3 * 8)  # a release store, ordering the flag first
         native().lib.kvf_seq_end(self.base + 3 * 8)
 
     @property
     def retired(self) -> bool:
-        return bool(self.hdr["reserved"][0, 0])
+        return bool(self.hdr["retired"][0])
+
+    def count_reads(self, keys: int, hits: int = 0, hit_bytes: int = 0, corrupt: int = 0) -> None:
+        """Add one read call's outcome to the table's on-node read counters (atomic adds in
+        shared memory: every client process on the node counts into the same header, the
+        service exports them). A client calls it once per read call, never per byte."""
+        self._lib.kvf_tbl_count_reads(self.base, keys, hits, hit_bytes, corrupt)
+
+    def local_reads(self) -> dict[str, int]:
+        """The on-node read counters (see ``count_reads``)."""
+        return {name: int(self.hdr[name][0]) for name in LOCAL_READS}
 
     def key_of(self, slot: int) -> bytes:
         s = self.slots[slot]

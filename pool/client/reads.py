@@ -108,15 +108,19 @@ class Reader:
         for _ in range(RETRIES):
             i, (seq, gva, size, _gen, state, expire, csum) = table.lookup_raw(key)
             if i < 0 or state != _READABLE or (expire and ticks_passed(expire)):
+                table.count_reads(1)
                 raise KeyNotFound(f"pool key '{key_text(key)}' not found")
             _check_size(key, size, nbytes, exact=False)
             if not c.dp.read_one(ptr, gva, size, host_user):
                 continue  # its rank is gone or the copy failed: look again
             if table.seq_now(i) == seq:
                 if not self._intact(key, csum, [(ptr, size)], gva, size, host_user):
+                    table.count_reads(1, corrupt=1)
                     raise _corrupt(key)
                 table.touch(i)
+                table.count_reads(1, 1, size)
                 return size
+        table.count_reads(1)
         raise KeyNotFound(f"pool key '{key_text(key)}' kept changing while being read")
 
     def get_into_layers(self, key: bytes, ptrs: np.ndarray, sizes: np.ndarray, exact: bool = True) -> int:
@@ -130,14 +134,18 @@ class Reader:
         for _ in range(RETRIES):
             hit = table.lookup(key)
             if hit is None or hit.state != SlotState.READABLE or (hit.expire and ticks_passed(hit.expire)):
+                table.count_reads(1)
                 raise KeyNotFound(f"pool key '{key_text(key)}' not found")
             _check_size(key, hit.size, want, exact)
             ranges = self._copy_out(hit.gva, hit.size, ptrs, sizes, host_user)
             if table.seq_now(hit.slot) == hit.seq:
                 if not self._intact(key, hit.csum, ranges, hit.gva, hit.size, host_user):
+                    table.count_reads(1, corrupt=1)
                     raise _corrupt(key)
                 table.touch(hit.slot)
+                table.count_reads(1, 1, hit.size)
                 return hit.size
+        table.count_reads(1)
         raise KeyNotFound(f"pool key '{key_text(key)}' kept changing while being read")
 
     def _copy_out(
@@ -163,6 +171,8 @@ class Reader:
         for _ in range(RETRIES):
             size = self._peek_size(key)
             if size is None:
+                if c.table is not None:
+                    c.table.count_reads(1)  # an on-node read that missed
                 return None
             staging = np.empty(size, np.uint8)
             buf = c.platform.wrap(staging)
@@ -209,6 +219,7 @@ class Reader:
         bad = hit & (out[:, 2] != want)
         status[bad] = Status.INVALID
         hit &= ~bad
+        retried = np.zeros(len(keys), bool)  # counted by get_into_layers, one by one
         if hit.any():
             Sh = np.ascontiguousarray(S[hit])
             offs = np.cumsum(Sh, axis=1) - Sh
@@ -227,6 +238,7 @@ class Reader:
                 else:
                     status[k] = Status.CORRUPT
             table.touch_many(idx[status == Status.OK])
+            retried[rows[changed]] = True
             for k in rows[changed].tolist():  # rare: retry one by one
                 try:
                     self.get_into_layers(keys[k], P[k], S[k])
@@ -237,6 +249,10 @@ class Reader:
                     status[k] = Status.NOT_FOUND
                 except TransferFailed:
                     status[k] = Status.TRANSFER_FAILED
+        done = ~retried
+        ok = done & (status == Status.OK)
+        corrupt = int((done & (status == Status.CORRUPT)).sum())
+        table.count_reads(int(done.sum()), int(ok.sum()), int(out[ok, 2].sum()), corrupt)
         return status
 
     # ------------------------------------------------------------------ remote path

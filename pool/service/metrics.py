@@ -5,12 +5,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from kvfabric.pool.status import Status
 from kvfabric.status import succeeded
 
 if TYPE_CHECKING:
     from kvfabric.pool.service.meta import MetaService
+
+
+class _LocalReads(Collector):
+    """The on-node reads the clients count in the directory table's header (reads served
+    from this node's memory never reach the service as RPCs), as Prometheus counters."""
+
+    HELP = {
+        "local_keys": "keys asked of the directory table by on-node reads",
+        "local_hits": "on-node reads served from this node's memory",
+        "local_hit_bytes": "bytes moved by on-node reads",
+        "local_corrupt": "on-node reads refused by the checksum check (served as misses)",
+    }
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def collect(self) -> Any:
+        for name, text in self.HELP.items():
+            yield CounterMetricFamily(f"kvfabric_pool_{name}", text, value=self.values.get(name, 0))
 
 
 class PoolMetrics:
@@ -49,6 +70,8 @@ class PoolMetrics:
         )
         self.fences = Gauge("kvfabric_pool_fences", "write leases that expired before the commit", registry=r)
         self._children: dict[str, tuple[Any, Any, Any]] = {}
+        self.local = _LocalReads()
+        r.register(self.local)
 
     def observe(self, op: str, seconds: float, reply: Any) -> None:
         children = self._children.get(op)
@@ -80,6 +103,7 @@ class PoolMetrics:
         self.fences.set(service.counters.fences)
         self.evictions.set(service.counters.evicted_objects)
         self.evicted_bytes.set(service.counters.evicted_bytes)
+        self.local.values = service.table.view.local_reads()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -232,3 +232,30 @@ def test_listing_keys_pages_them_without_holding_the_service_lock(pool, client, 
     last = d.handle(p.ListKeys(b"kv/", 300, 10)).data
     assert last == {"keys": ["kv/\\x8a\\x00"], "total": 301, "next": None}
     assert "list_keys" in d.handle(p.ListKeys("kv/", 0, 1)).error  # a str prefix: refused, named
+
+
+def test_on_node_reads_are_counted_in_the_table_and_exported(pool, client):
+    """Reads served from the node's memory never reach the service; the clients count them
+    in the table header and /metrics exports them. A planted flipped byte counts as corrupt."""
+    import ctypes
+
+    assert client.table is not None  # on the pool's node: reads go through the table
+    assert client.put("a", b"x" * 100) is Status.OK and client.put("b", b"y" * 4096) is Status.OK
+    assert client.get("a") == b"x" * 100
+    assert client.batch_get(["zz"]) == [None]  # a miss
+    bufs = [np.zeros(n, np.uint8) for n in (100, 4096, 8)]
+    regs = [client.register_buffer(b.ctypes.data, b.nbytes) for b in bufs]
+    st = client.batch_get_into(["a", "b", "nope"], [b.ctypes.data for b in bufs], [b.nbytes for b in bufs])
+    for r in regs:
+        client.unregister_buffer(r)
+    assert st.tolist() == [Status.OK, Status.OK, Status.NOT_FOUND]
+    hit = client.table.lookup(b"b")
+    ptr, _ = client.dp.local(int(hit.gva) + 7, 1)
+    ctypes.c_uint8.from_address(ptr).value ^= 0x5A  # the planted fault
+    assert client.batch_get(["b"]) == [None]
+    counts = pool.table.local_reads()
+    assert counts == {"local_keys": 6, "local_hits": 3, "local_hit_bytes": 4296, "local_corrupt": 1}, counts
+    d = pool.dispatcher
+    d.metrics.update_state(d.service)
+    text = d.metrics.render().decode()
+    assert "kvfabric_pool_local_hits_total 3.0" in text and "kvfabric_pool_local_corrupt_total 1.0" in text
