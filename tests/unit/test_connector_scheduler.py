@@ -143,3 +143,14 @@ def test_a_request_starting_on_blocks_another_one_loads_this_step_is_a_reader(si
     )
     assert plan.readers == {"h1": {40, 41}, "h2": {40, 41}}
     assert s.build_plan([], [], {}).readers == {}  # no loads, no readers
+
+
+def test_lookup_outcomes_count_a_prompt_below_one_block_apart_from_misses(side):
+    s, store = side
+    store.add(_ids_from_hashes([f"h-{i}".encode() for i in range(3)], None))
+    s.num_new_matched_tokens(_req("h1", 14), 0)  # 3 full blocks held, the 4th has the last token
+    s.num_new_matched_tokens(_req("m1", 12), 0)  # 3 full blocks, none held: a miss
+    s.num_new_matched_tokens(ReqView("b1", [], 3, 3), 0)  # 3 tokens: no full block, not a miss
+    t = s.stats.totals
+    assert (t["lookups"], t["lookup_hits"], t["lookup_misses"], t["lookup_below_block"]) == (3, 1, 1, 1)
+    assert t["external_hit_tokens"] == 3 * BS

@@ -6,7 +6,10 @@ adds the workers' windows to the scheduler's (``merge``), and logs ``reduce``'s 
 ``totals`` keeps the counts since start for tests, ``kvfabric demo`` and benchmarks.
 
 Counters: ``lookups``, ``requested_tokens``, ``hit_tokens`` (local + external prefix
-the lookups saw), ``external_hit_tokens`` (what kvfabric adds), ``loaded_blocks``,
+the lookups saw), ``external_hit_tokens`` (what kvfabric adds); each lookup's outcome:
+``lookup_hits`` (kvfabric added at least one block), ``lookup_misses`` (it was asked for
+one or more full blocks and had none), ``lookup_below_block`` (the prompt is shorter than
+one block, so it has no block id: counted apart from the misses); ``loaded_blocks``,
 ``loaded_bytes``, ``load_failed_blocks``, ``saved_blocks``, ``saved_bytes``,
 ``save_failed_blocks``, ``repair_blocks`` (blocks the scheduler plans to dump again
 because a load of them, or of a block before them, failed; see ``scheduler.py``);
@@ -71,6 +74,9 @@ def failure_counter(reason: str) -> str:
 
 COUNTERS = (
     "lookups",
+    "lookup_hits",
+    "lookup_misses",
+    "lookup_below_block",
     "requested_tokens",
     "hit_tokens",
     "external_hit_tokens",
@@ -151,10 +157,30 @@ class StatsWindow:
 
 
 class SchedulerStats(StatsWindow):
-    def lookup(self, requested_tokens: int, hit_tokens: int, external_hit_tokens: int) -> None:
+    def lookup(
+        self,
+        requested_tokens: int,
+        hit_tokens: int,
+        external_hit_tokens: int,
+        asked_blocks: int,
+        full_blocks: int,
+    ) -> None:
+        """One lookup: ``asked_blocks`` full blocks beyond vLLM's own hit were looked up in the
+        store, of the prompt's ``full_blocks``."""
+        outcome = (
+            "lookup_below_block"
+            if full_blocks == 0
+            else "lookup_hits"
+            if external_hit_tokens
+            else "lookup_misses"
+            if asked_blocks
+            else None
+        )
+        extra = {outcome: 1} if outcome else {}
         self.add(
             lookups=1,
             requested_tokens=requested_tokens,
             hit_tokens=hit_tokens,
             external_hit_tokens=external_hit_tokens,
+            **extra,
         )

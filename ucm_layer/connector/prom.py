@@ -21,6 +21,9 @@ from kvfabric.ucm_layer.connector import compat, metrics
 PREFIX = "vllm:kvfabric_"
 _DOCS = {
     "lookups": "Prefix lookups by the scheduler.",
+    "lookup_hits": "Lookups where kvfabric's store added at least one block to vLLM's own hit.",
+    "lookup_misses": "Lookups of one or more full blocks the store did not hold.",
+    "lookup_below_block": "Lookups of prompts shorter than one block (no block id; not misses).",
     "requested_tokens": "Prompt tokens of the requests looked up.",
     "hit_tokens": "Tokens of the looked-up prefixes already computed (vLLM's cache and kvfabric's).",
     "external_hit_tokens": "Tokens of the looked-up prefixes kvfabric's store holds beyond vLLM's cache.",

@@ -216,7 +216,9 @@ class SchedulerSide:
         hit = max(0, min(hit, ids.shape[0] - local, st.cap - local))
         st.lookup_key, st.lookup_hit = key, hit
         if not fresh or not self.pd.waiting(st.pd):
-            self.stats.lookup(view.num_tokens, (local + hit) * bs, hit * bs)
+            self.stats.lookup(
+                view.num_tokens, (local + hit) * bs, hit * bs, max(0, ids.shape[0] - local), ids.shape[0]
+            )
         return hit * bs
 
     def after_alloc(
