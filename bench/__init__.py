@@ -16,6 +16,7 @@ _BUILTIN: dict[str, str] = {
     "xcopy": "kvfabric.bench.xcopy:run",
     "e2e": "kvfabric.bench.e2e:run",
     "gsa": "kvfabric.bench.sparse.run:run",
+    "sparse-vllm": "kvfabric.bench.sparse_vllm:run",
     "pool": "kvfabric.bench.pool:run",
     "rpc": "kvfabric.bench.rpc:run",
     "store": "kvfabric.bench.store:run",

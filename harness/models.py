@@ -82,14 +82,20 @@ TINY_DIMS: dict[str, object] = {
 }
 
 
-def tiny_llama(seed: int = 0) -> Path:
-    """A random-weight Llama model directory (created once per seed)."""
-    final = models_dir() / f"tiny-llama-s{seed}"
+def tiny_llama(seed: int = 0, max_positions: int | None = None) -> Path:
+    """A random-weight Llama model directory (created once per seed and position limit;
+    ``max_positions`` raises ``max_position_embeddings`` above TINY_DIMS' 8,192, which is
+    vLLM's limit on ``max_model_len``)."""
+    positions = int(TINY_DIMS["max_position_embeddings"]) if max_positions is None else max_positions  # type: ignore[call-overload]
+    if positions < 1:
+        raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+    default = positions == TINY_DIMS["max_position_embeddings"]
+    final = models_dir() / (f"tiny-llama-s{seed}" if default else f"tiny-llama-s{seed}-p{positions}")
     if (final / "config.json").exists():
         return final
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**TINY_DIMS)
+    cfg = LlamaConfig(**{**TINY_DIMS, "max_position_embeddings": positions})
     return _save_random(LlamaForCausalLM, cfg, seed, final)
 
 

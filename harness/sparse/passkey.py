@@ -34,14 +34,28 @@ class Passkey:
     needle_tokens: tuple[int, int]  # first and last token of the needle sentence
 
 
-def passkey_prompt(tok: Tokenizer, tokens: int, seed: int = 0, depth: float = 0.5) -> Passkey:
-    """A prompt of about ``tokens`` tokens with a 5-digit key at ``depth`` (0 = start)."""
+#: the needle sentence (``{key}`` is replaced by the key)
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+
+
+def passkey_prompt(
+    tok: Tokenizer,
+    tokens: int,
+    seed: int = 0,
+    depth: float = 0.5,
+    filler: str = _FILLER,
+    needle: str = NEEDLE,
+) -> Passkey:
+    """A prompt of about ``tokens`` tokens with a 5-digit key at ``depth`` (0 = start),
+    hidden in repeats of ``filler`` as the ``needle`` template (``{key}`` replaced)."""
+    if "{key}" not in needle:
+        raise ValueError(f"needle template {needle!r} has no {{key}}")
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
-    needle = f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+    needle = needle.format(key=key)
     head = tok.encode(tok.chat(_INTRO).split(_INTRO)[0] + _INTRO)
     tail = tok.encode("\nWhat is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is")
-    fill = tok.encode(_FILLER)
+    fill = tok.encode(filler)
     n_fill = max(1, (tokens - len(head) - len(tail) - 30) // len(fill))
     before = round(n_fill * depth)
     ids_before = head + fill * before
@@ -120,4 +134,14 @@ def top2pct_stats(q: torch.Tensor, k: torch.Tensor) -> tuple[float, float]:
     return float(torch.topk(p, top, -1).values.sum(-1).median()), float(p[..., :16].sum(-1).median())
 
 
-__all__ = ["Passkey", "answer", "digits", "kl_div", "passkey_prompt", "prefill", "spec_for", "top2pct_stats"]
+__all__ = [
+    "NEEDLE",
+    "Passkey",
+    "answer",
+    "digits",
+    "kl_div",
+    "passkey_prompt",
+    "prefill",
+    "spec_for",
+    "top2pct_stats",
+]

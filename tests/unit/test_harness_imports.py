@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 #: tests whose subject is a benchmark (its plumbing, its metrics, its registry)
 BENCH_TESTS = {"test_bench_pool.py", "test_bench_rpc.py", "test_bench_xcopy.py", "test_sparse_harness.py"}
-BENCH_TESTS |= {"test_registry_axes.py", "test_bench_compare.py"}
+BENCH_TESTS |= {"test_registry_axes.py", "test_bench_compare.py", "test_bench_sparse_vllm.py"}
 
 
 def _imports(path: Path) -> set[str]:

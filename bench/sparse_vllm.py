@@ -1,0 +1,498 @@
+"""``kvfabric bench sparse-vllm [--quick] [--json]``: kvfabric's sparse attention backend
+inside a vLLM engine (CPU build), against the stock backend in the same run.
+
+Engines are built one at a time with :func:`kvfabric.harness.engine.make_engine` (in
+process, eager, float32, 32-token blocks, prefix cache off); the sparse engine gets its
+configuration through ``KVFABRIC_SPARSE`` (``algorithm``, ``budget_tokens``, ``stats_path``;
+every other option at the algorithm's default, so ``gsa`` is GSA's default configuration).
+
+Every engine serves groups of prompts at once through ``LLMEngine.step()`` (:func:`serve`),
+each step timed: the steps in which every request of a group decodes give the step time
+at the group's batch, and the last request, given ``tail`` more tokens, decodes alone at
+the end: its steps give batch 1. Dense (the stock backend) and each method serve the same
+groups, after one untimed warm-up group of short prompts (first calls of each batch shape).
+
+Rows (every one has ``engine, model, context, budget, batch, method, default, step_ms,
+dense_step_ms, speedup_vs_dense, answers_match_dense, passkeys_lost, kl_mean, kl_max``;
+fields a case does not measure are None; ``context`` is the group's mean prompt length):
+
+* ``case: "accuracy"``: SmolLM2-135M-Instruct on passkey prompts (:func:`prompt_specs`:
+  depths, seeds, filler texts and needle formats), a group of 8 at ~4.3K tokens (above
+  GSA's 4,096-token switch) and one at ~7.5K (``--quick``: the ~4.3K group), greedy, 8 new
+  tokens, budget 1,024; per method and group: ``dense_found`` / ``found`` (the key is the
+  answer's first number), ``passkeys_lost`` (found by dense, missed by the method),
+  ``answers_match_dense`` (fraction of prompts whose 8 tokens equal dense's). KL: vLLM's
+  prefill is dense in both engines (the switch keeps prefill dense), so the first generated
+  token has the same distribution; the first token computed by sparse attention is the
+  second one (position 1, same prefix in both when the first tokens agree, which they do
+  bit for bit). ``kl_mean`` / ``kl_max`` are KL(dense || method) there, from vLLM's
+  top-``TOP_LOGPROBS`` logprobs (``SamplingParams(logprobs=20)``, vLLM's default cap): the
+  two distributions coarsened to the tokens in both top-k lists plus one bucket for the
+  rest (a lower bound of the full-vocabulary KL, equal to it when the rest holds no mass);
+  ``kl_outside_mass_max`` is dense's largest mass outside the shared tokens.
+* ``case: "speed"``: ``step_ms`` / ``dense_step_ms`` (medians) at the group's batch and at
+  batch 1, for SmolLM2's groups (budget 1,024) and 8 random-token prompts of
+  ``TINY_CONTEXT`` tokens on the random-weight tiny Llama (budget 2,048). Compute saved is
+  ``kv_read_frac`` (``blocks_selected / blocks_total`` of the backend's stats over the
+  group: the KV blocks the sparse kernel read against what dense attention reads there)
+  and ``kv_bytes_per_step`` / ``dense_kv_bytes_per_step`` (those blocks in bytes, K and V,
+  all layers and KV heads, per decode step at that batch; a (request, layer) step the
+  switch left dense counts all its blocks). Memory saved is ``kv_memory_saved_bytes``: 0,
+  vLLM allocates every block of a running request and the backend only reads fewer of them
+  (offloading needs a scheduler hook, docs/sparse.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfabric.bench.report import BenchContext, machine_note
+
+BLOCK = 32
+NEW_TOKENS = 8
+TOP_LOGPROBS = 20
+#: the random-weight Llama's prompt length (tokens)
+TINY_CONTEXT = 32768
+#: the methods measured unless ``options["methods"]`` names others (sparse registry names)
+METHODS = ("gsa",)
+FILLERS = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ",
+    "A river runs through the old town. Boats pass under the bridges. People walk along the water. ",
+    "Numbers and letters fill the page. Nothing here is worth remembering. Keep reading anyway. ",
+)
+NEEDLES = (
+    "\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
+    "\nThe pass key is {key}. Remember it.\n",
+    "\nImportant: the pass key is {key}. The pass key is {key}.\n",
+)
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One passkey prompt: about ``tokens`` tokens, key from ``seed`` at ``depth``, in
+    ``FILLERS[filler]`` with the needle ``NEEDLES[needle]``."""
+
+    tokens: int
+    seed: int
+    depth: float
+    filler: int
+    needle: int
+
+
+@dataclass(frozen=True)
+class FirstDecode:
+    """One engine's answer to one prompt: its tokens and the top-k logprobs
+    (token id -> logprob) of the first token decoded with sparse attention (position 1)."""
+
+    tokens: tuple[int, ...]
+    logprobs: dict[int, float]
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """A method against dense over one prompt set (see the module docstring)."""
+
+    prompts: int
+    dense_found: int
+    found: int
+    passkeys_lost: int
+    answers_match_dense: float
+    kl_mean: float
+    kl_max: float
+    kl_outside_mass_max: float
+
+
+def prompt_specs(tokens: int, count: int, offset: int = 0) -> list[PromptSpec]:
+    """``count`` prompts of about ``tokens`` tokens cycling through depths, fillers and
+    needle formats (seeds ``offset``, ``offset + 1``, ...); deterministic."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    return [
+        PromptSpec(
+            tokens,
+            offset + i,
+            DEPTHS[i % len(DEPTHS)],
+            i % len(FILLERS),
+            (i // len(FILLERS)) % len(NEEDLES),
+        )
+        for i in range(count)
+    ]
+
+
+def build_prompt(tok: Any, spec: PromptSpec) -> Any:
+    """The :class:`~kvfabric.harness.sparse.passkey.Passkey` of ``spec``."""
+    from kvfabric.harness.sparse.passkey import passkey_prompt
+
+    return passkey_prompt(
+        tok,
+        spec.tokens,
+        seed=spec.seed,
+        depth=spec.depth,
+        filler=FILLERS[spec.filler],
+        needle=NEEDLES[spec.needle],
+    )
+
+
+def coarse_kl(p: dict[int, float], q: dict[int, float]) -> tuple[float, float]:
+    """KL(p || q) in nats of two top-k logprob maps coarsened to their shared tokens plus one
+    bucket for the rest, and p's mass in that bucket. A lower bound of the full KL."""
+    shared = p.keys() & q.keys()
+    pp = {t: math.exp(p[t]) for t in shared}
+    qq = {t: math.exp(q[t]) for t in shared}
+    kl = sum(pp[t] * (p[t] - q[t]) for t in shared)
+    p_rest, q_rest = max(0.0, 1.0 - sum(pp.values())), max(0.0, 1.0 - sum(qq.values()))
+    if p_rest > 1e-12:
+        kl += p_rest * (math.log(p_rest) - math.log(max(q_rest, 1e-12)))
+    return max(0.0, kl), p_rest
+
+
+def accuracy(
+    answers: Sequence[str],
+    dense: Sequence[FirstDecode],
+    dense_text: Sequence[str],
+    method: Sequence[FirstDecode],
+    method_text: Sequence[str],
+) -> Accuracy:
+    """``method`` against ``dense`` on the same prompts (in order): keys found (the first
+    number of the answer text equals ``answers[i]``), token-identical answers, KL at the
+    first sparse-decoded position (:func:`coarse_kl`)."""
+    from kvfabric.harness.sparse.passkey import digits
+
+    n = len(answers)
+    if not n or not (len(dense) == len(dense_text) == len(method) == len(method_text) == n):
+        raise ValueError("accuracy needs one dense and one method answer per prompt, at least one prompt")
+    d_ok = [digits(t) == a for t, a in zip(dense_text, answers)]
+    m_ok = [digits(t) == a for t, a in zip(method_text, answers)]
+    kls = [coarse_kl(d.logprobs, m.logprobs) for d, m in zip(dense, method)]
+    return Accuracy(
+        prompts=n,
+        dense_found=sum(d_ok),
+        found=sum(m_ok),
+        passkeys_lost=sum(d and not m for d, m in zip(d_ok, m_ok)),
+        answers_match_dense=sum(d.tokens == m.tokens for d, m in zip(dense, method)) / n,
+        kl_mean=sum(k for k, _ in kls) / n,
+        kl_max=max(k for k, _ in kls),
+        kl_outside_mass_max=max(r for _, r in kls),
+    )
+
+
+# ---------------------------------------------------------------------- engines
+def _say(msg: str) -> None:
+    print(f"[sparse-vllm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class _Sparse:
+    """``KVFABRIC_SPARSE`` set for the engines built inside (None: the stock backend)."""
+
+    def __init__(self, method: str | None, budget: int, stats: Path) -> None:
+        self.cfg = (
+            None
+            if method is None
+            else {"algorithm": method, "budget_tokens": budget, "stats_path": str(stats)}
+        )
+        self.prev: str | None = None
+
+    def __enter__(self) -> _Sparse:
+        self.prev = os.environ.pop("KVFABRIC_SPARSE", None)
+        if self.cfg is not None:
+            os.environ["KVFABRIC_SPARSE"] = json.dumps(self.cfg)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.environ.pop("KVFABRIC_SPARSE", None)
+        if self.prev is not None:
+            os.environ["KVFABRIC_SPARSE"] = self.prev
+
+
+def _engine(model: Path, kv_bytes: int, max_len: int) -> Any:
+    from kvfabric.harness.engine import make_engine
+
+    return make_engine(model, None, kv_bytes=kv_bytes, max_model_len=max_len)
+
+
+def _read_stats(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclass(frozen=True)
+class Served:
+    """One group of prompts served together: each one's answer, the seconds of the steps
+    in which every request decoded (``batch_s``) and of those in which only the last,
+    longer request was left (``solo_s``, batch 1), and the backend's counters over it."""
+
+    answers: tuple[FirstDecode, ...]
+    batch_s: tuple[float, ...]
+    solo_s: tuple[float, ...]
+    stats: dict[str, int]
+
+
+def serve(eng: Any, prompts: Sequence[Sequence[int]], new: int, tail: int, stats: Path) -> Served:
+    """Serve ``prompts`` at once through ``LLMEngine.step()`` (greedy, ``new`` tokens; the
+    last prompt ``new + tail`` so that its last ``tail`` steps run alone), timing every step."""
+    from vllm import SamplingParams
+
+    llm_engine = eng.llm.llm_engine
+
+    def params(n: int) -> Any:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=TOP_LOGPROBS)
+
+    tag = time.monotonic_ns()
+    rids = [f"sv{tag}-{i}" for i in range(len(prompts))]
+    for i, (rid, p) in enumerate(zip(rids, prompts)):
+        llm_engine.add_request(
+            rid, {"prompt_token_ids": list(p)}, params(new + (tail if i == len(prompts) - 1 else 0))
+        )
+    before = _read_stats(stats)
+    started: set[str] = set()
+    finals: dict[str, Any] = {}
+    batch_s: list[float] = []
+    solo_s: list[float] = []
+    while llm_engine.has_unfinished_requests():
+        decoding, running = len(started) == len(prompts), len(prompts) - len(finals)
+        t0 = time.perf_counter()
+        outs = llm_engine.step()
+        dt = time.perf_counter() - t0
+        if decoding and len(outs) == running == len(prompts):
+            batch_s.append(dt)
+        elif decoding and len(outs) == running == 1:
+            solo_s.append(dt)
+        for o in outs:
+            if o.outputs and o.outputs[0].token_ids:
+                started.add(o.request_id)
+            if o.finished:
+                finals[o.request_id] = o
+    answers = []
+    for rid in rids:
+        out = finals[rid].outputs[0]
+        lp = out.logprobs[1] if out.logprobs and len(out.logprobs) > 1 else {}
+        logprobs = {int(t): float(v.logprob) for t, v in lp.items()}
+        answers.append(FirstDecode(tuple(out.token_ids[:new]), logprobs))
+    return Served(tuple(answers), tuple(batch_s), tuple(solo_s), _delta(before, _read_stats(stats)))
+
+
+def _model_path(name: str, context: int) -> Path:
+    from kvfabric.harness import models
+
+    if name == "smollm2":
+        return models.smollm2()
+    return models.tiny_llama(0, max_positions=max(8192, 1 << (context + 1024).bit_length()))
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one KV block costs to read: ``block_bytes`` (K and V of one block, one KV head,
+    one layer, float32) for each of ``layers * kv_heads``."""
+
+    layers: int
+    kv_heads: int
+    block_bytes: int
+
+    @classmethod
+    def of(cls, model: Path) -> KVGeometry:
+        cfg = json.loads((model / "config.json").read_text())
+        head = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        return cls(int(cfg["num_hidden_layers"]), int(cfg["num_key_value_heads"]), BLOCK * head * 2 * 4)
+
+    def token_bytes(self) -> int:
+        return self.layers * self.kv_heads * self.block_bytes // BLOCK
+
+
+def kv_read(stats_delta: dict[str, int], geo: KVGeometry, batch: int) -> dict[str, Any]:
+    """Compute saved from the backend's counters over one timed generation: the blocks the
+    sparse (request, layer) decode steps read against what dense reads there
+    (``kv_read_frac``), and per decode step of the batch in bytes (a (request, layer) step
+    the switch left dense reads all its blocks)."""
+    sel, tot = stats_delta.get("blocks_selected", 0), stats_delta.get("blocks_total", 0)
+    sp, dn = stats_delta.get("sparse_layer_steps", 0), stats_delta.get("dense_layer_steps", 0)
+    if sp <= 0 or tot <= 0:
+        return {
+            "kv_read_frac": 1.0,
+            "sparse_layer_share": 0.0,
+            "kv_bytes_per_step": None,
+            "dense_kv_bytes_per_step": None,
+        }
+    per_step = geo.layers * batch * geo.kv_heads * geo.block_bytes
+    share = sp / (sp + dn)
+    dense_bytes = per_step * tot / sp
+    return {
+        "kv_read_frac": round(sel / tot, 4),
+        "sparse_layer_share": round(share, 4),
+        "kv_bytes_per_step": int(per_step * (share * sel / sp + (1 - share) * tot / sp)),
+        "dense_kv_bytes_per_step": int(dense_bytes),
+    }
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    keys = ("blocks_selected", "blocks_total", "sparse_layer_steps", "dense_layer_steps")
+    return {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in keys}
+
+
+def _row(
+    case: str, model: str, context: int, budget: int, batch: int, method: str, **fields: Any
+) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "case": case,
+        "engine": "vllm",
+        "model": model,
+        "context": context,
+        "budget": budget,
+        "batch": batch,
+        "method": method,
+        "default": method == "gsa",
+        "step_ms": None,
+        "dense_step_ms": None,
+        "speedup_vs_dense": None,
+        "answers_match_dense": None,
+        "passkeys_lost": None,
+        "kl_mean": None,
+        "kl_max": None,
+    }
+    return {**base, **fields}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Prompts served together on one model (``answers``: their passkeys, or None)."""
+
+    model: str
+    context: int
+    budget: int
+    prompts: tuple[tuple[int, ...], ...]
+    answers: tuple[str, ...] | None
+
+
+def _serve_all(groups: Sequence[Group], method: str | None, new: int, tail: int, work: Path) -> list[Served]:
+    """Every group of one model through one engine (``method`` None: the stock backend)."""
+    model = _model_path(groups[0].model, max(g.context for g in groups))
+    geo = KVGeometry.of(model)
+    longest = max(len(p) for g in groups for p in g.prompts)
+    max_len = longest + new + tail + 64
+    batch = max(len(g.prompts) for g in groups)
+    kv = max(256 << 20, int(batch * (max_len + 2 * BLOCK) * geo.token_bytes() * 1.1))
+    stats = work / f"{groups[0].model}-{method or 'dense'}.json"
+    with _Sparse(method, groups[0].budget, stats):
+        eng = _engine(model, kv, max_len)
+        try:
+            warm = [[1 + i % 100 for i in range(256)]] * batch  # first calls of each batch shape, untimed
+            serve(eng, warm, 4, 2, stats)
+            out = []
+            for g in groups:
+                _say(f"{g.model} ~{g.context} tokens x {len(g.prompts)}: {method or 'dense'}")
+                out.append(serve(eng, g.prompts, new, tail, stats))
+                sv = out[-1]
+                _say(
+                    f"  steps (ms): batch {[round(t * 1e3, 1) for t in sv.batch_s]}, "
+                    f"solo {[round(t * 1e3, 1) for t in sv.solo_s]}; {sv.stats}"
+                )
+            return out
+        finally:
+            eng.close()
+
+
+def _ms(times: Sequence[float]) -> float:
+    if not times:
+        raise RuntimeError("no decode step was timed (too few new tokens?)")
+    return statistics.median(times) * 1e3
+
+
+def group_rows(
+    groups: Sequence[Group], methods: Sequence[str], new: int, tail: int, work: Path, tok: Any = None
+) -> Iterator[dict[str, Any]]:
+    """Dense, then every method, on ``groups`` (one model); per method and group a speed
+    row at the group's batch and at batch 1, and an accuracy row when it has answers."""
+    dense = _serve_all(groups, None, new, tail, work)
+    geo = KVGeometry.of(_model_path(groups[0].model, max(g.context for g in groups)))
+    for method in methods:
+        served = _serve_all(groups, method, new, tail, work)
+        for g, d, m in zip(groups, dense, served):
+            ctx = round(statistics.mean(len(p) for p in g.prompts))
+            for batch, ms, dms in ((len(g.prompts), m.batch_s, d.batch_s), (1, m.solo_s, d.solo_s)):
+                step, dstep = _ms(ms), _ms(dms)
+                yield _row(
+                    "speed",
+                    g.model,
+                    ctx,
+                    g.budget,
+                    batch,
+                    method,
+                    step_ms=round(step, 3),
+                    dense_step_ms=round(dstep, 3),
+                    speedup_vs_dense=round(dstep / step, 3),
+                    steps=len(ms),
+                    **kv_read(m.stats, geo, batch),
+                    kv_memory_saved_bytes=0,
+                    machine=machine_note(),
+                )
+            if g.answers is None:
+                continue
+            acc = accuracy(
+                g.answers,
+                d.answers,
+                [tok.decode(list(x.tokens)) for x in d.answers],
+                m.answers,
+                [tok.decode(list(x.tokens)) for x in m.answers],
+            )
+            yield _row(
+                "accuracy",
+                g.model,
+                ctx,
+                g.budget,
+                len(g.prompts),
+                method,
+                answers_match_dense=round(acc.answers_match_dense, 4),
+                passkeys_lost=acc.passkeys_lost,
+                kl_mean=round(acc.kl_mean, 6),
+                kl_max=round(acc.kl_max, 6),
+                prompts=acc.prompts,
+                dense_found=acc.dense_found,
+                found=acc.found,
+                kl_outside_mass_max=round(acc.kl_outside_mass_max, 6),
+                kl_top_logprobs=TOP_LOGPROBS,
+            )
+
+
+def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
+    """The tiny Llama's long context, then SmolLM2's passkey groups (module docstring)."""
+    import random
+
+    from kvfabric.harness.engine import vllm_problem
+    from kvfabric.harness.sparse.model import Tokenizer
+
+    problem = vllm_problem()
+    if problem:
+        raise RuntimeError(problem)
+    methods = tuple(ctx.options.get("methods") or METHODS)
+    tok = Tokenizer()
+    contexts = {4300: 8} if ctx.quick else {4300: 8, 7500: 8}
+    groups = []
+    for i, (n, count) in enumerate(contexts.items()):
+        pks = [build_prompt(tok, s) for s in prompt_specs(n, count, offset=100 * i)]
+        groups.append(
+            Group("smollm2", n, 1024, tuple(tuple(p.ids) for p in pks), tuple(p.answer for p in pks))
+        )
+    rng = random.Random(0)
+    tiny = tuple(tuple(rng.randrange(1, 512) for _ in range(TINY_CONTEXT)) for _ in range(8))
+    with tempfile.TemporaryDirectory(prefix="kvf-sparse-vllm-") as work:
+        yield from group_rows(
+            [Group("tiny-llama", TINY_CONTEXT, 2048, tiny, None)], methods, 12, 12, Path(work)
+        )
+        yield from group_rows(groups, methods, NEW_TOKENS, 12, Path(work), tok)
+
+
+if __name__ == "__main__":
+    for r in run(BenchContext(quick="--quick" in sys.argv)):
+        print(json.dumps(r))
