@@ -63,9 +63,11 @@ def _table(node: PoolNode) -> str | None:
     if not node.serving:
         return "the node has not finished starting (or is stopping)"
     try:
-        published = node.table.epoch
-    except Exception as e:  # noqa: BLE001 - a closed or retired table: reported
+        published, retired = node.table.epoch, node.table.retired
+    except Exception as e:  # noqa: BLE001 - a closed or unmapped table: reported
         return f"the directory table cannot be read: {type(e).__name__}: {e}"
+    if retired:
+        return "the directory table is retired (a restarted service replaced it)"
     if published != node.dispatcher.epoch:
         return f"the directory table carries epoch {published}, the service {node.dispatcher.epoch}"
     return None

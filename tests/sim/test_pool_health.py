@@ -69,3 +69,15 @@ def test_an_unreachable_rendezvous_and_a_left_fabric_are_named(pool):
     h = check_health(pool)
     assert Check.FABRIC in h.failing and "not joined" in h.failing[Check.FABRIC]
     assert h.as_json()["failing"]["fabric"] == h.failing[Check.FABRIC]
+
+
+def test_a_gone_table_is_503(pool):
+    http = HttpEndpoint(pool.dispatcher, "127.0.0.1", 0, lambda: check_health(pool))
+    http.start()
+    try:
+        assert _get(http.port)[0] == 200
+        pool.table.retire()  # what a restarted service does to the table it replaces
+        code, body = _get(http.port)
+        assert code == 503 and "retired" in body["failing"]["table"]
+    finally:
+        http.stop()
