@@ -241,8 +241,11 @@ class Served:
 
 
 def serve(eng: Any, prompts: Sequence[Sequence[int]], new: int, tail: int, stats: Path) -> Served:
-    """Serve ``prompts`` at once through ``LLMEngine.step()`` (greedy, ``new`` tokens; the
-    last prompt ``new + tail`` so that its last ``tail`` steps run alone), timing every step."""
+    """Serve ``prompts`` at once through ``LLMEngine.step()`` (greedy; the last prompt
+    ``tail`` tokens more than the others so that its last ``tail`` steps run alone), timing
+    every step. Prompts are prefilled one per step while the earlier ones decode, so every
+    request generates ``new + len(prompts)`` tokens (steps with all of them decoding
+    exist); the answers keep the first ``new``."""
     from vllm import SamplingParams
 
     llm_engine = eng.llm.llm_engine
@@ -253,9 +256,8 @@ def serve(eng: Any, prompts: Sequence[Sequence[int]], new: int, tail: int, stats
     tag = time.monotonic_ns()
     rids = [f"sv{tag}-{i}" for i in range(len(prompts))]
     for i, (rid, p) in enumerate(zip(rids, prompts)):
-        llm_engine.add_request(
-            rid, {"prompt_token_ids": list(p)}, params(new + (tail if i == len(prompts) - 1 else 0))
-        )
+        extra = len(prompts) + (tail if i == len(prompts) - 1 else 0)
+        llm_engine.add_request(rid, {"prompt_token_ids": list(p)}, params(new + extra))
     before = _read_stats(stats)
     started: set[str] = set()
     finals: dict[str, Any] = {}
@@ -421,6 +423,9 @@ def group_rows(
         for g, d, m in zip(groups, dense, served):
             ctx = round(statistics.mean(len(p) for p in g.prompts))
             for batch, ms, dms in ((len(g.prompts), m.batch_s, d.batch_s), (1, m.solo_s, d.solo_s)):
+                if not ms or not dms:
+                    _say(f"  no step of batch {batch} was timed: no speed row")
+                    continue
                 step, dstep = _ms(ms), _ms(dms)
                 yield _row(
                     "speed",
