@@ -12,8 +12,9 @@ intact; ``remove``/``remove_all``/``drop_rank`` make objects disappear at once (
 under a read lease is freed when the last lease ends); ``reregister`` rebuilds the
 directory from ranks that own data after a restart; ``tick`` (the upkeep) expires write
 leases (handing late writers to the write fence, ``fence.py``), read leases and TTLs.
-Eviction is LRU by bytes per window, from ``high_watermark`` down to ``low_watermark``,
-and never touches objects under a lease or not yet READABLE. The records it keeps
+Eviction is LRU by bytes per window, from ``high_watermark`` down to ``low_watermark``
+(the policy is ``eviction.py``'s ``LruByBytes``; which objects are candidates is decided
+here), and never touches objects under a lease or not yet READABLE. The records it keeps
 (windows, leases, counters) are in ``records.py``.
 """
 
@@ -29,6 +30,7 @@ from kvfabric.errors import OutOfSpace
 from kvfabric.platform.types import Medium
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.service.allocator import ExtentAllocator
+from kvfabric.pool.service.eviction import LruByBytes
 from kvfabric.pool.service.fence import WriteFence
 from kvfabric.pool.service.records import Counters, ReadLease, Window, WriteLease
 from kvfabric.pool.service.table_writer import TableWriter
@@ -59,6 +61,7 @@ class MetaService:
         self._lease_ids = itertools.count(1)
         self.counters = Counters()
         self.fence = WriteFence(self.table, self.windows, self.counters, config.fence_grace_s)
+        self.eviction = LruByBytes(config.high_watermark, config.low_watermark)
         self._full_warned = False
         #: when (``clock``) an allocation that fits a window was last refused for space, and
         #: whether that is still the latest outcome (an allocation since clears it): /health
@@ -199,7 +202,7 @@ class MetaService:
             idx = idx[~np.isin(s["gva"][idx], leased)]
         if not idx.size:
             return False
-        slot_i = int(idx[np.argmin(s["atime"][idx])])
+        slot_i = int(idx[self.eviction.oldest(s["atime"][idx])])
         key = self.table.view.key_of(slot_i)
         hit = self.table.find(key)
         if hit is None:
@@ -408,23 +411,23 @@ class MetaService:
         if self._leased:
             leased = np.fromiter(self._leased, np.uint64, len(self._leased))
             idx = idx[~np.isin(s["gva"][idx], leased)]
-        order = idx[np.argsort(s["atime"][idx], kind="stable")]
-        target = int(w.size * self.config.low_watermark)
-        for slot_i in order.tolist():
-            if w.alloc.largest_free >= w.alloc.round(need) and w.alloc.used <= target:
-                break
+        order = idx[self.eviction.order(s["atime"][idx])]
+
+        def free(slot_i: int) -> bool:
             key = self.table.view.key_of(slot_i)
             hit = self.table.find(key)
             if hit is None:
-                continue
+                return False
             self._free_object(hit.slot, key, hit.gva, hit.size)
             w.evictions += 1
             self.counters.evicted_objects += 1
             self.counters.evicted_bytes += hit.size
-        return w.alloc.largest_free >= w.alloc.round(need)
+            return True
+
+        return self.eviction.evict(w.alloc, w.size, need, order.tolist(), free)[0]
 
     def _watermark(self, w: Window) -> None:
-        if w.alloc.used > w.size * self.config.high_watermark:
+        if self.eviction.over_high(w.alloc.used, w.size):
             self._evict(w, need=1)
 
     # ------------------------------------------------------------------ housekeeping
