@@ -52,6 +52,39 @@ def _verify(value: Any) -> str:
         raise Expected(f"one of {', '.join(v.value for v in Verify)}") from None
 
 
+def _endpoint(value: str, key: str) -> None:
+    """A ZMQ address the daemon binds: ``tcp://HOST:PORT`` (``*`` for every address, port 0
+    for a free one), ``ipc://PATH`` or ``inproc://NAME``."""
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise ValueError(
+            f"pool config {key}={value!r}: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME"
+        )
+    if scheme == "tcp":
+        try:
+            _host_port(rest, key)
+        except ValueError as e:
+            raise ValueError(f"pool config {key}={value!r}: {str(e).split(': ', 1)[1]}") from None
+
+
+def _check_kv_events(cfg: PoolConfig) -> None:
+    """The ``kv_events_*`` keys together (``pool/service/events.py``)."""
+    if cfg.kv_events_endpoint:
+        _endpoint(cfg.kv_events_endpoint, "kv_events_endpoint")
+    if cfg.kv_events_replay_endpoint:
+        if not cfg.kv_events_endpoint:
+            raise ValueError(
+                "pool config kv_events_replay_endpoint needs kv_events_endpoint (the PUB address)"
+            )
+        _endpoint(cfg.kv_events_replay_endpoint, "kv_events_replay_endpoint")
+        same = cfg.kv_events_replay_endpoint == cfg.kv_events_endpoint
+        if same and not cfg.kv_events_endpoint.endswith(":0"):
+            raise ValueError(
+                f"pool config kv_events_replay_endpoint={cfg.kv_events_replay_endpoint!r} is "
+                "kv_events_endpoint: the replay socket needs an address of its own"
+            )
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """Pool daemon / embedded pool configuration (each key's ``doc``; ``describe(PoolConfig)``)."""
@@ -85,6 +118,17 @@ class PoolConfig:
         "on", doc="readers check the writer's checksum before a read counts (on / off)", parse=_verify
     )
     fence_grace_s: float = setting(60.0, doc="expired writes of unwatchable writers stay fenced this long")
+    kv_events_endpoint: str = setting(
+        "", doc="ZMQ PUB address of KV events in vLLM's schema (tcp://*:5557; port 0: any; '' -> off)"
+    )
+    kv_events_replay_endpoint: str = setting(
+        "", doc="ZMQ ROUTER address replaying the last kv_events_buffer batches ('' -> none)"
+    )
+    kv_events_buffer: int = setting(4096, doc="KV event batches kept for replay", lo=1, hi=1_000_000)
+    kv_events_topic: str = setting("", doc="the topic frame of every KV event batch")
+    kv_events_queue: int = setting(
+        1_000_000, doc="keys waiting for the KV event publisher before it drops and resyncs", lo=1
+    )
     exit_when_idle_s: float = setting(
         0.0, doc="daemon: exit after this long with no client (0: serve until told)", lo=0
     )
@@ -104,6 +148,7 @@ class PoolConfig:
             _host_port(self.tcp, "tcp")
         if self.http:
             _host_port(self.http, "http")
+        _check_kv_events(self)
         names = [t.strip() for t in self.transports.split(",") if t.strip()]
         if not names or any(t not in ("mapped", "remote") for t in names):
             raise ValueError(f"pool config transports={self.transports!r}: a list of mapped, remote")

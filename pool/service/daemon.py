@@ -157,7 +157,9 @@ class PoolDaemon:
             self._checkpoint(StartStage.RPC)
             if self.config.http_addr is not None:
                 node = self.node
-                self.http = HttpEndpoint(node.dispatcher, *self.config.http_addr, lambda: check_health(node))
+                self.http = HttpEndpoint(
+                    node.dispatcher, *self.config.http_addr, lambda: check_health(node), node.prefix_query()
+                )
                 self.http.start()
             self._checkpoint(StartStage.HTTP)
         except BaseException:
@@ -180,7 +182,15 @@ class PoolDaemon:
             "tcp_port": self.rpc.tcp_port if self.rpc else None,
             "http_port": self.http.port if self.http else None,
             "pid": os.getpid(),
+            **self._kv_events_endpoints(),
         }
+
+    def _kv_events_endpoints(self) -> dict[str, str | None]:
+        """The KV event sockets as bound (a port 0 resolved), when the publisher runs."""
+        pub = self.node.events if self.node is not None else None
+        if pub is None:
+            return {}
+        return {"kv_events_endpoint": pub.endpoint, "kv_events_replay_endpoint": pub.replay_endpoint}
 
     def serve_forever(self) -> None:
         """Block until SIGTERM/SIGINT (or ``stop()``), then shut down cleanly. Installs

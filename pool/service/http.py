@@ -8,6 +8,10 @@ capacity, use and evictions; ``/keys?prefix=P&start=N&limit=M`` pages through re
 keys, each rendered by ``keys.key_text`` (text as it is, other bytes as ``\\xNN``; a
 prefix is given in the same form, so ``prefix=kv/\\x8a`` selects binary keys). Served
 by a small threaded ``http.server`` on the configured host and port.
+
+``POST /prefix`` (JSON in and out; ``prefix.py``): how many leading blocks of a list of
+block ids (or of KV-event block hashes) the pool holds, and where each is (rank, node,
+tier); read from the shared table without the service's lock.
 """
 
 from __future__ import annotations
@@ -23,9 +27,14 @@ from kvfabric.pool import protocol as p
 from kvfabric.pool.keys import key_from_text
 from kvfabric.pool.service.dispatch import Dispatcher
 from kvfabric.pool.service.health import Health
+from kvfabric.pool.service.prefix import PrefixQuery
+
+MAX_BODY = 16 << 20  # bytes of a POST body at most
 
 
-def _handler(dispatcher: Dispatcher, health: Callable[[], Health]) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    dispatcher: Dispatcher, health: Callable[[], Health], prefix: PrefixQuery | None = None
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, fmt: str, *args: Any) -> None:  # quiet: the daemon logs
             pass
@@ -70,20 +79,43 @@ def _handler(dispatcher: Dispatcher, health: Callable[[], Health]) -> type[BaseH
                 self._json(
                     {
                         "error": f"no such endpoint {url.path}",
-                        "endpoints": ["/health", "/metrics", "/capacity", "/keys"],
+                        "endpoints": ["/health", "/metrics", "/capacity", "/keys", "POST /prefix"],
                     },
                     404,
                 )
+
+        def do_POST(self) -> None:
+            url = urlparse(self.path)
+            if url.path != "/prefix" or prefix is None:
+                self._json({"error": f"no such endpoint POST {url.path}", "endpoints": ["POST /prefix"]}, 404)
+                return
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                n = -1
+            if not 0 <= n <= MAX_BODY:
+                self._json({"error": f"Content-Length: expected 0 to {MAX_BODY} bytes"}, 400)
+                return
+            code, out = prefix.answer(self.rfile.read(n))
+            self._json(out, code)
 
     return Handler
 
 
 class HttpEndpoint:
     """The HTTP server thread (``port`` 0 picks a free port; ``self.port`` tells which);
-    ``health`` runs the node's checks for ``/health`` (``health.check_health``)."""
+    ``health`` runs the node's checks for ``/health`` (``health.check_health``); ``prefix``
+    answers ``POST /prefix`` (none: 404)."""
 
-    def __init__(self, dispatcher: Dispatcher, host: str, port: int, health: Callable[[], Health]) -> None:
-        self.server = ThreadingHTTPServer((host, port), _handler(dispatcher, health))
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        host: str,
+        port: int,
+        health: Callable[[], Health],
+        prefix: PrefixQuery | None = None,
+    ) -> None:
+        self.server = ThreadingHTTPServer((host, port), _handler(dispatcher, health, prefix))
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(

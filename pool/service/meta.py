@@ -16,6 +16,11 @@ Eviction is LRU by bytes per window, from ``high_watermark`` down to ``low_water
 (the policy is ``eviction.py``'s ``LruByBytes``; which objects are candidates is decided
 here), and never touches objects under a lease or not yet READABLE. The records it keeps
 (windows, leases, counters) are in ``records.py``.
+
+KV events (``events``: an ``EventQueue`` the node's publisher installs, else None): every
+object that becomes READABLE is reported stored, every READABLE object that leaves the
+directory (removed, evicted, expired, dropped with its rank) removed, ``remove_all`` as
+cleared; each report is an append to the queue (``service/events.py``), nothing more.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +44,9 @@ from kvfabric.pool.status import Status
 from kvfabric.pool.table import SlotState, TableView, now_ticks, ticks_passed
 from kvfabric.pool.windows import Addressing
 from kvfabric.status import succeeded
+
+if TYPE_CHECKING:
+    from kvfabric.pool.service.events import EventQueue
 
 log = logging.getLogger("kvfabric.pool")
 
@@ -66,6 +75,7 @@ class MetaService:
         #: when (``clock``) an allocation that fits a window was last refused for space, and
         #: whether that is still the latest outcome (an allocation since clears it): /health
         self.space_refused_at: float | None = None
+        self.events: EventQueue | None = None  # KV events (module docstring)
 
     # ------------------------------------------------------------------ windows
     def add_window(self, rank: int, medium: Medium, size: int) -> Window:
@@ -87,6 +97,8 @@ class MetaService:
             for key in [self.table.view.key_of(int(s)) for s in slots]:
                 hit = self.table.find(key)
                 if hit is not None:
+                    if self.events is not None and hit.state == SlotState.READABLE:
+                        self.events.removed([key], [hit.gva])
                     self.table.remove(hit.slot)
                     self.write_leases.pop(key, None)
                     removed += 1
@@ -227,6 +239,7 @@ class MetaService:
         ttl = self.config.default_ttl_s if ttl_s is None else ttl_s
         expire = (now_ticks() + int(ttl * 10)) & 0xFFFFFFFF if ttl > 0 else 0
         out = []
+        published: tuple[list[bytes], list[int]] = ([], [])
         for i, (key, good) in enumerate(zip(keys, ok)):
             lease = self.write_leases.get(key)
             if lease is None or lease.client != client:
@@ -241,11 +254,15 @@ class MetaService:
             if good:
                 csum = int(sums[i]) if sums else 0
                 self.table.set_state(hit.slot, SlotState.READABLE, expire, csum)
+                published[0].append(key)
+                published[1].append(hit.gva)
                 out.append(Status.OK)
             else:
                 self._free_object(hit.slot, key, hit.gva, hit.size)
                 out.append(Status.OK)
         self.counters.count("commit", len(keys), sum(1 for s in out if s != Status.OK))
+        if self.events is not None and published[0]:
+            self.events.stored(*published)
         return out
 
     def renew(self, client: str, keys: list[bytes]) -> list[int]:
@@ -346,10 +363,18 @@ class MetaService:
     def remove_all(self) -> int:
         live = np.flatnonzero(self.table.slots["state"] == int(SlotState.READABLE))
         keys = [self.table.view.key_of(int(s)) for s in live]
-        return self.remove(keys).count(Status.OK)
+        events, self.events = self.events, None  # one AllBlocksCleared, not a removal each
+        try:
+            return self.remove(keys).count(Status.OK)
+        finally:
+            self.events = events
+            if events is not None:
+                events.cleared()
 
     def _free_object(self, slot: int, key: bytes, gva: int, size: int) -> None:
         """Take ``key`` out of the directory now; free its space unless a read lease holds it."""
+        if self.events is not None and self.table.slots["state"][slot] == SlotState.READABLE:
+            self.events.removed([key], [gva])
         self.table.remove(slot)
         try:
             w = self._window_of(gva)
@@ -371,6 +396,7 @@ class MetaService:
         """Rebuild: a rank that owns data reports objects it holds (READABLE ones only),
         with their checksums."""
         out = []
+        published: tuple[list[bytes], list[int]] = ([], [])
         for i, (key, gva, size, gen) in enumerate(zip(keys, gvas, sizes, gens)):
             try:
                 w = self._window_of(gva)
@@ -385,7 +411,11 @@ class MetaService:
             if sums and sums[i]:
                 self.table.update(slot, csum=int(sums[i]))
             self._gen = itertools.count(max(next(self._gen), gen + 1))
+            published[0].append(key)
+            published[1].append(gva)
             out.append(Status.OK)
+        if self.events is not None and published[0]:
+            self.events.stored(*published)
         return out
 
     def capacity(self) -> list[dict[str, int | str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -32,6 +33,34 @@ class _LocalReads(Collector):
     def collect(self) -> Any:
         for name, text in self.HELP.items():
             yield CounterMetricFamily(f"kvfabric_pool_{name}", text, value=self.values.get(name, 0))
+
+
+class _KvEvents(Collector):
+    """The KV event publisher's counters (``service/events.py``); zeros while it is off.
+    ``source``: the publisher's ``metrics`` (set by the node that starts one)."""
+
+    HELP = {
+        "kv_events_published": "block hashes announced as KV events (and clears)",
+        "kv_event_batches": "KV event batches sent (the last sequence number is this minus one)",
+        "kv_events_dropped": "KV events dropped because the publisher fell behind (a snapshot follows)",
+        "kv_event_snapshots": "KV event snapshots sent (AllBlocksCleared and the whole directory)",
+        "kv_event_replays": "KV event replay requests served",
+    }
+    FROM = {
+        "kv_events_published": "published",
+        "kv_event_batches": "batches",
+        "kv_events_dropped": "dropped",
+        "kv_event_snapshots": "snapshots",
+        "kv_event_replays": "replays",
+    }
+
+    def __init__(self) -> None:
+        self.source: Callable[[], dict[str, int]] | None = None
+
+    def collect(self) -> Any:
+        values = self.source() if self.source is not None else {}
+        for name, text in self.HELP.items():
+            yield CounterMetricFamily(f"kvfabric_pool_{name}", text, value=values.get(self.FROM[name], 0))
 
 
 class PoolMetrics:
@@ -72,6 +101,8 @@ class PoolMetrics:
         self._children: dict[str, tuple[Any, Any, Any]] = {}
         self.local = _LocalReads()
         r.register(self.local)
+        self.kv_events = _KvEvents()
+        r.register(self.kv_events)
 
     def observe(self, op: str, seconds: float, reply: Any) -> None:
         children = self._children.get(op)

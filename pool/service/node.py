@@ -38,8 +38,10 @@ from kvfabric.pool.gva.rendezvous.server import RendezvousServer
 from kvfabric.pool.gva.segments import Reservation, SegmentTable
 from kvfabric.pool.service.adopt import adopt_old_tables
 from kvfabric.pool.service.dispatch import Dispatcher
+from kvfabric.pool.service.events import EventQueue, KvEventPublisher
 from kvfabric.pool.service.local import LocalTransport
 from kvfabric.pool.service.meta import MetaService
+from kvfabric.pool.service.prefix import PrefixQuery
 from kvfabric.pool.windows import FixedStride
 
 log = logging.getLogger("kvfabric.pool")
@@ -107,6 +109,7 @@ class PoolNode:
         self.table: tbl.TableView | None = None
         self.rdv: RendezvousServer | None = None
         self.fabric: Fabric | None = None
+        self.events: KvEventPublisher | None = None  # KV events (kv_events_endpoint)
         self._tmpdir: str | None = None
         self._window_found = False  # the named window existed before this start
         self._tables_adopted = False  # the old tables are gone: the new one holds the pool
@@ -176,6 +179,41 @@ class PoolNode:
                 )
             self._tables_adopted = True
         self._stage(StartStage.ADOPTED)
+        if self.config.kv_events_endpoint:
+            self._start_events()
+
+    def _start_events(self) -> None:
+        """The KV event publisher (``service/events.py``): its first batches are the
+        directory as it is now; the service reports every change after that."""
+        assert self.fabric is not None and self.table is not None
+        service = self.service
+
+        def install(queue: EventQueue | None) -> None:
+            service.events = queue
+
+        self.events = KvEventPublisher(
+            self.config,
+            self.dispatcher.lock,
+            self.table,
+            install,
+            self.addressing.decode,
+            self.node_of,
+            self.fabric.node,
+        )
+        self.events.start()
+        self.dispatcher.metrics.kv_events.source = self.events.metrics
+
+    def node_of(self, rank: int) -> str | None:
+        """The node pool rank ``rank`` runs on now (None: no such member)."""
+        fabric = self.fabric
+        if fabric is None:
+            return None
+        return next((m.node for m in fabric.table.members if m.rank == rank), None)
+
+    def prefix_query(self) -> PrefixQuery:
+        """What answers the HTTP endpoint's ``POST /prefix`` (``service/prefix.py``)."""
+        assert self.fabric is not None and self.table is not None
+        return PrefixQuery(self.table, self.addressing.decode, self.node_of, self.fabric.node)
 
     def _name(self, what: str) -> str:
         return f"pool-{self.config.name}-{what}"
@@ -275,6 +313,8 @@ class PoolNode:
         self._closed = True
         keep_window = self.persistent and not self.serving and self._window_found
         keep_table = keep_window and self._tables_adopted
+        if self.events is not None:
+            self.events.stop()
         if self.fabric is not None:
             self.fabric.leave()
         if self.rdv is not None:
