@@ -17,12 +17,14 @@ def scheduler(
     block_size: int,
     num_blocks: int,
     prefix_caching: bool = False,
+    kv_events: dict[str, Any] | None = None,
 ) -> Any:
     """A ``Scheduler`` for ``model_dir`` with ``transfer`` (a kv_transfer_config dict) and
-    one KV cache group per ``(layer names, spec)``."""
+    one KV cache group per ``(layer names, spec)``; ``kv_events``: a kv_events_config dict."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
@@ -46,6 +48,7 @@ def scheduler(
             is_encoder_decoder=False,
         ),
         kv_transfer_config=KVTransferConfig(**transfer),
+        kv_events_config=KVEventsConfig(**kv_events) if kv_events is not None else None,
         device_config=DeviceConfig("cpu"),
     )
     vc.cache_config.num_gpu_blocks = num_blocks

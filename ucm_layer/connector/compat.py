@@ -63,13 +63,21 @@ try:  # request-level results of asynchronous transfers (failed_recving)
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
+try:  # KV events from connectors (get_kv_connector_kv_cache_events / take_events)
+    from vllm.distributed.kv_events import BlockStored, KVConnectorKVEvents
+except ImportError:  # pragma: no cover - older vLLM
+    BlockStored = None  # type: ignore[assignment,misc]
+    KVConnectorKVEvents = None  # type: ignore[assignment,misc]
+
 VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
 
 __all__ = [
     "VLLM_VERSION",
+    "BlockStored",
     "CachedReq",
     "EngineInfo",
     "KVConnectorBase_V1",
+    "KVConnectorKVEvents",
     "KVConnectorMetadata",
     "KVConnectorPromMetrics",
     "KVConnectorRole",
@@ -79,12 +87,14 @@ __all__ = [
     "ReqView",
     "SupportsHMA",
     "block_ids_of",
+    "block_stored",
     "cached_reqs",
     "engine_info",
     "expected_kv_geometry",
     "group_block_ids_of",
     "group_windows",
     "is_scheduler",
+    "kv_events_enabled",
     "new_reqs",
     "request_view",
 ]
@@ -92,6 +102,41 @@ __all__ = [
 
 def is_scheduler(role: Any) -> bool:
     return role == KVConnectorRole.SCHEDULER
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether the engine publishes KV events (``kv_events_config.enable_kv_cache_events``)
+    and this vLLM takes them from connectors."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False) and BlockStored is not None)
+
+
+def external_hash(h: bytes) -> Any:
+    """A block hash as vLLM's events carry it (``maybe_convert_block_hash``: the bytes, or
+    their low 64 bits as an int with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    except ImportError:  # pragma: no cover - older vLLM
+        return h
+    return maybe_convert_block_hash(h)
+
+
+def block_stored(run: Any, tier: Any) -> Any:
+    """vLLM's ``BlockStored`` for an ``events.StoredRun`` in the ``events.Tier`` ``tier``."""
+    kwargs: dict[str, Any] = {
+        "block_hashes": [external_hash(h) for h in run.block_hashes],
+        "parent_block_hash": None if run.parent_block_hash is None else external_hash(run.parent_block_hash),
+        "token_ids": list(run.token_ids),
+        "block_size": int(run.block_size),
+        "lora_id": run.lora_id,
+        "medium": tier.medium,
+        "lora_name": run.lora_name,
+    }
+    fields = set(getattr(BlockStored, "__struct_fields__", ()))
+    for k, v in (("group_idx", run.group), ("locality", tier.locality), ("ownership", tier.ownership)):
+        if k in fields:
+            kwargs[k] = v
+    return BlockStored(**kwargs)
 
 
 def _hash_bytes(h: Any) -> bytes:
@@ -128,12 +173,16 @@ def request_view(request: Any) -> ReqView:
     if prompt is None:
         prompt = len(getattr(request, "prompt_token_ids", None) or [])
     params = getattr(request, "kv_transfer_params", None)
+    lora = getattr(request, "lora_request", None)
     return ReqView(
         request.request_id,
         _HashView(hashes),
         int(request.num_tokens),
         int(prompt),
         params if isinstance(params, dict) else None,
+        getattr(request, "all_token_ids", None) or (),
+        getattr(lora, "adapter_id", None) if lora is not None else None,
+        getattr(lora, "name", None) if lora is not None else None,
     )
 
 

@@ -24,6 +24,14 @@ vLLM's hybrid KV cache manager: the connector is ``SupportsHMA``
 (``hashing.tag(ids, rank, group)``), loads are asynchronous and fail per request
 (``failed_recving`` of ``get_transfer_results``), never per block. Layer-wise transfers,
 groups of other kinds (Mamba, chunked local attention) or other block sizes are refused.
+
+Observability through vLLM's own hooks: counters in vLLM's connector stats and on its
+``/metrics`` (``metrics.py``, ``prom.py``); with vLLM's KV events on
+(``kv_events_config``), ``BlockStored`` for every block the store took, with its tier
+(``events.py``: the workers report their dumps through
+``get_kv_connector_kv_cache_events``, the scheduler emits from ``take_events``); with
+tracing on, a root span per request and its children across both roles' processes
+(``tracing.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import Any
 from kvfabric.platform.base import Platform
 from kvfabric.platform.stream import Event
 from kvfabric.ucm_layer import hashing
-from kvfabric.ucm_layer.connector import compat, devices, metrics, stores
+from kvfabric.ucm_layer.connector import compat, devices, events, metrics, stores
 from kvfabric.ucm_layer.connector.config import ConnectorConfig, load_config
 from kvfabric.ucm_layer.connector.plan import StepPlan
 from kvfabric.ucm_layer.connector.scheduler import SchedulerSide
@@ -84,6 +92,52 @@ if compat.KVConnectorStats is not None:
 
 else:  # pragma: no cover - vLLM without the stats API
     KVFabricStats = None  # type: ignore[assignment,misc]
+
+
+if compat.KVConnectorKVEvents is not None:
+
+    class KVFabricKVEvents(compat.KVConnectorKVEvents):  # type: ignore[misc,valid-type]
+        """The workers' dump reports (``events.DumpReport``) on their way to the scheduler.
+
+        vLLM moves it from each worker's ``get_kv_connector_kv_cache_events`` into the
+        step's ``KVConnectorOutput`` (gathering the ranks' into the first one with
+        ``add_events`` / ``increment_workers``); the scheduler role reads it in
+        ``update_connector_output`` and publishes ``BlockStored`` events from
+        ``take_events``. It holds reports, not vLLM events: nothing publishes it as is."""
+
+        def __init__(self, reports: list[events.DumpReport] | None = None, workers: int = 1) -> None:
+            self.reports: list[events.DumpReport] = list(reports or ())
+            self.workers = workers
+
+        def add_events(self, items: list[Any]) -> None:
+            self.reports.extend(items)
+
+        def aggregate(self) -> KVFabricKVEvents:
+            return self  # the scheduler counts the ranks of each dump itself (events.py)
+
+        def increment_workers(self, count: int = 1) -> None:
+            self.workers += count
+
+        def get_all_events(self) -> list[Any]:
+            return list(self.reports)
+
+        def get_number_of_workers(self) -> int:
+            return self.workers
+
+        def clear_events(self) -> None:
+            self.reports = []
+            self.workers = 1
+
+else:  # pragma: no cover - vLLM without connector KV events
+    KVFabricKVEvents = None  # type: ignore[assignment,misc]
+
+
+def _pipeline_write(cfg: ConnectorConfig) -> str:
+    """The pipeline's write mode (``pipeline.write`` of ``store_options``, flat or nested)."""
+    opts = cfg.store_options
+    nested = opts.get("pipeline")
+    value = opts.get("pipeline.write") or (nested.get("write") if isinstance(nested, dict) else None)
+    return str(value or "through")
 
 
 def check_engine(info: compat.EngineInfo) -> None:
@@ -212,6 +266,8 @@ class KVFabricConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             json.dumps(fp.to_mapping(), sort_keys=True),
         )
         self._tracer = Tracer(self.cfg.otlp_endpoint)
+        self.kv_events = compat.kv_events_enabled(vllm_config) and KVFabricKVEvents is not None
+        self.tier = events.event_tier(self.cfg.store, _pipeline_write(self.cfg))
         self._kv_cache_config = kv_cache_config
         self._index: stores.SchedulerIndex | None = None
         self.scheduler: SchedulerSide | None = None
@@ -231,6 +287,14 @@ class KVFabricConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 fingerprint=self._hasher.fingerprint.digest().hex()[:16],
                 windows=self.info.group_windows if self.multi_group else (),
                 lookup_present=self._lookup_present,
+                events=events.StoredBlocks(1 if self.info.use_mla else self.info.tp_size)
+                if self.kv_events
+                else None,
+                trace_attrs={
+                    "store": self.cfg.store,
+                    **({"sparse_algorithm": self.cfg.sparse} if self.cfg.sparse else {}),
+                },
+                lookup_tier=self.cfg.store if self.one_process else self.cfg.stores[-1],
             )
         else:
             self.worker = WorkerSide(
@@ -246,6 +310,8 @@ class KVFabricConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 expected_layout=self.expected_layout,
                 layout_note=self._layout_note,
                 groups=_group_layers(kv_cache_config) if self.multi_group else (),
+                report_dumps=self.kv_events,
+                dump_tier=self.tier.kind.value,
             )
         _instances.add(self)
 
@@ -356,6 +422,21 @@ class KVFabricConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             return None
         return KVFabricStats(data)
 
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """KV events on: this worker's reports of the dumps its store answered for since the
+        last step (``events.py``); None when there are none or events are off."""
+        if self.worker is None or not self.kv_events:
+            return None
+        reports = self.worker.take_reports()
+        return KVFabricKVEvents(reports) if reports else None
+
+    def take_events(self) -> Any:
+        """KV events on: vLLM's ``BlockStored`` for the blocks every storing rank reported
+        stored since the last call, in kvfabric's tier (``events.py``)."""
+        if self.scheduler is None or not self.kv_events:
+            return ()
+        return [compat.block_stored(run, self.tier) for run in self.scheduler.take_stored()]
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return None if KVFabricStats is None else KVFabricStats(data)
@@ -382,6 +463,8 @@ class KVFabricConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
                 stores.release(store)
         if self._index is not None:
             self._index.close()
+        if self.scheduler is not None:
+            self.scheduler.spans.close()
         if self._own_platform and not self.platform.closed:
             self.platform.close()
 
@@ -418,6 +501,10 @@ class KVFabricConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
             failed = getattr(connector_output, "failed_recving", None)
             if failed:
                 self.scheduler.load_failed_requests(failed)
+            reports = getattr(connector_output, "kv_cache_events", None)
+            if KVFabricKVEvents is not None and isinstance(reports, KVFabricKVEvents):
+                self.scheduler.dumps_reported(reports.get_all_events())
+            self.scheduler.released(getattr(connector_output, "finished_sending", None))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is None:

@@ -26,6 +26,7 @@ class Transfer:
     block_size: int = 0  # tokens per block (for spans)
     group: int = 0  # the KV cache group the engine blocks belong to
     transient: bool = False
+    seq: int = -1  # a dump's number for its KV events report (-1: events off, or a load)
 
     def __post_init__(self) -> None:
         if self.ids.ndim != 2 or self.ids.shape[0] != self.blocks.size:
@@ -54,6 +55,11 @@ class StepPlan:
     may then wait a little for one to end instead of returning at once (the engine would
     only call it again straight away, and that busy loop takes the interpreter from the
     threads doing the load).
+    ``traces`` (tracing on only): the W3C ``traceparent`` of the root span of every
+    request with a transfer in the plan or finished since the last plan, so the worker's
+    spans are children of the scheduler's root across processes; ``first_blocks``: the
+    engine block holding the first token of each request finished since the last plan
+    (the sparse backend keys requests by it).
     """
 
     loads: list[Transfer] = field(default_factory=list)
@@ -64,6 +70,8 @@ class StepPlan:
     repaired: set[str] = field(default_factory=set)
     readers: dict[str, set[int]] = field(default_factory=dict)
     idle: bool = False  # no request computes this step (only transfers are in flight)
+    traces: dict[str, str] = field(default_factory=dict)
+    first_blocks: dict[str, int] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (

@@ -43,6 +43,15 @@ Disaggregated prefill (``handoff.py``): ``match`` reads a consumer request's han
 and may answer ``None`` (not decided) while it waits for the announced blocks, at most
 ``pd_wait_s``; ``finish`` gives a producer's request the hand-off for its decode engine.
 
+Observability (both off by default, and then free): with tracing on, each request has a
+root span (``tracing.RequestSpans``: begun when the request is first seen, ended by
+``finish`` or, when the workers still hold its blocks, by ``released``), lookups are its
+child spans, and each plan carries the roots' ``traceparent`` for the workers' spans
+(``StepPlan.traces``). With KV events on (``events``), every planned dump is numbered
+(``Transfer.seq``) and its blocks' vLLM hashes and tokens kept until the workers report
+it (``dumps_reported``); ``take_stored`` hands out the runs every rank stored (see
+``events.py``).
+
 Not thread-safe: vLLM calls the scheduler role from one thread.
 """
 
@@ -50,17 +59,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from kvfabric.ucm_layer.connector.events import DumpReport, StoredBlocks, StoredRun
 from kvfabric.ucm_layer.connector.handoff import Handoff, PDWait
-from kvfabric.ucm_layer.connector.hybrid import PresentFn, group_transfers, hit_blocks
+from kvfabric.ucm_layer.connector.hybrid import NULL_BLOCK, PresentFn, group_transfers, hit_blocks
 from kvfabric.ucm_layer.connector.metrics import SchedulerStats
 from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
-from kvfabric.ucm_layer.connector.tracing import Tracer
+from kvfabric.ucm_layer.connector.tracing import RequestSpans, Tracer
 from kvfabric.ucm_layer.connector.views import CachedReq, NewReq, ReqView
 
 log = logging.getLogger("kvfabric.connector")
@@ -103,6 +113,9 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
         windows: Sequence[int | None] = (),
         lookup_present: PresentFn | None = None,
+        events: StoredBlocks | None = None,
+        trace_attrs: Mapping[str, Any] | None = None,
+        lookup_tier: str = "",
     ) -> None:
         if block_size < 1 or hashes_per_block < 1:
             raise ValueError("block_size and hashes_per_block must be >= 1")
@@ -114,6 +127,11 @@ class SchedulerSide:
         self.async_load = async_load
         self.pd = Handoff(fingerprint, pd_wait_s, block_size, clock)
         self.tracer = tracer or Tracer(None)
+        self.spans = RequestSpans(self.tracer, trace_attrs)
+        self.lookup_tier = lookup_tier
+        self.events = events
+        # tracing: requests finished since the last plan -> (root's traceparent, first block)
+        self._finished_traces: dict[str, tuple[str, int]] = {}
         self.stats = SchedulerStats()
         self._reqs: dict[str, _Req] = {}
         self._planned_loads: list[Transfer] = []
@@ -139,6 +157,8 @@ class SchedulerSide:
         st = self._reqs.get(view.req_id)
         if st is None:
             st = self._reqs[view.req_id] = _Req(view, np.zeros((0, 16), np.uint8))
+            if self.spans.enabled:
+                self.spans.begin(view.req_id, view.num_tokens)
         else:
             st.view = view
         return st
@@ -189,17 +209,22 @@ class SchedulerSide:
         ids = self._ids(st, claimable)
         if ids.shape[0] > local:
             try:
-                with self.tracer.span("kvfabric.lookup", req_id=view.req_id) as span:
-                    if self.multi:
-                        hit = hit_blocks(
-                            ids[local:], local, st.cap - local, self.windows, bs, self._lookup_present
-                        )
-                    else:
-                        hit = int(self._lookup_prefix(ids[local:]))
-                    span.set(
+                start_ns = time.time_ns() if self.spans.enabled else 0
+                if self.multi:
+                    hit = hit_blocks(
+                        ids[local:], local, st.cap - local, self.windows, bs, self._lookup_present
+                    )
+                else:
+                    hit = int(self._lookup_prefix(ids[local:]))
+                if self.spans.enabled:
+                    self.spans.lookup(
+                        view.req_id,
+                        start_ns,
+                        time.time_ns(),
                         requested_tokens=view.num_tokens,
                         hit_tokens=(local + hit) * bs,
                         hit_rate=(local + hit) * bs / max(view.num_tokens, 1),
+                        store_tier=self.lookup_tier,
                     )
                 if self._store_down:
                     log.warning("kvfabric: the store answers lookups again")
@@ -339,7 +364,20 @@ class SchedulerSide:
             elif c.new_block_ids:
                 st.block_ids.extend(c.new_block_ids)
             self._plan_dumps(st, c.num_computed_tokens + num_scheduled.get(c.req_id, 0), plan)
+        if self.spans.enabled:
+            self._trace_plan(plan)
         return plan
+
+    def _trace_plan(self, plan: StepPlan) -> None:
+        """The roots' ``traceparent`` of every request the plan names (tracing on)."""
+        for t in (*plan.loads, *plan.async_loads, *plan.dumps):
+            if t.req_id not in plan.traces:
+                plan.traces[t.req_id] = self.spans.traceparent(t.req_id)
+        for r, (parent, first) in self._finished_traces.items():
+            plan.traces[r] = parent
+            if first >= 0:
+                plan.first_blocks[r] = first
+        self._finished_traces.clear()
 
     @staticmethod
     def _note_reader(plan: StepPlan, req_id: str, prefix: list[int], loading: set[int]) -> None:
@@ -360,15 +398,16 @@ class SchedulerSide:
             return
         ids, rows = found
         full = rows.stop
-        plan.dumps.append(
-            Transfer(
-                st.view.req_id,
-                ids[rows],
-                np.asarray(st.block_ids[rows], np.int64),
-                st.view.num_tokens,
-                self.block_size,
-            )
+        t = Transfer(
+            st.view.req_id,
+            ids[rows],
+            np.asarray(st.block_ids[rows], np.int64),
+            st.view.num_tokens,
+            self.block_size,
         )
+        if self.events is not None:
+            self._number(st, t, np.arange(rows.start, rows.stop))
+        plan.dumps.append(t)
         st.stored = full
         st.dumped_any = True
 
@@ -399,9 +438,39 @@ class SchedulerSide:
             self.windows,
             dump=True,
         )
+        if self.events is not None:
+            index = np.arange(rows.start, rows.stop)
+            for t in dumps:
+                self._number(st, t, index[np.asarray(st.groups[t.group][rows], np.int64) != NULL_BLOCK])
         plan.dumps.extend(dumps)
         st.dumped_any = st.dumped_any or bool(dumps)
         st.stored = rows.stop
+
+    def _number(self, st: _Req, t: Transfer, index: np.ndarray) -> None:
+        """KV events: number the dump ``t`` of the request's blocks ``index`` and keep their
+        vLLM hashes, parents and tokens until the workers report it."""
+        assert self.events is not None
+        k, bs, view = self.hashes_per_block, self.block_size, st.view
+        hashes = [view.block_hashes[(b + 1) * k - 1] for b in index.tolist()]
+        parents = [view.block_hashes[b * k - 1] if b else None for b in index.tolist()]
+        tokens = [view.token_ids[b * bs : (b + 1) * bs] for b in index.tolist()]
+        t.seq = self.events.next_seq()
+        self.events.planned(t.seq, index, hashes, parents, tokens, bs, t.group, view.lora_id, view.lora_name)
+
+    def dumps_reported(self, reports: Iterable[DumpReport]) -> None:
+        """KV events: the workers' reports of numbered dumps (``update_connector_output``)."""
+        if self.events is not None:
+            self.events.report(reports)
+
+    def take_stored(self) -> list[StoredRun]:
+        """KV events: the runs of blocks every rank stored since the last call."""
+        return self.events.take() if self.events is not None else []
+
+    def released(self, req_ids: Collection[str] | None) -> None:
+        """vLLM's ``finished_sending``: these requests' dumps released their blocks on every
+        worker (their root spans end)."""
+        if self.spans.enabled and req_ids:
+            self.spans.released(req_ids)
 
     def load_failed_requests(self, req_ids: Collection[str]) -> int:
         """Several groups: requests whose asynchronous load failed (vLLM's
@@ -477,10 +546,16 @@ class SchedulerSide:
         st = self._reqs.get(req_id)
         stored = st.stored if st is not None else 0
         keep = self.request_finished(req_id)
+        if self.spans.enabled:
+            first = int(st.block_ids[0]) if st is not None and st.block_ids else -1
+            self._finished_traces[req_id] = (self.spans.traceparent(req_id), first)
+            self.spans.set(req_id, stored_blocks=stored if self.can_save else 0)
+            self.spans.finish(req_id, keep)
         return keep, self.pd.params(params, stored if self.can_save else 0)
 
     def forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
+        self.spans.forget(req_id)
 
     @property
     def num_tracked(self) -> int:

@@ -16,6 +16,10 @@ class ReqView:
     num_tokens: int
     num_prompt_tokens: int
     transfer_params: Mapping[str, Any] | None = None  # the request's kv_transfer_params (P/D)
+    #: every token of the request so far (vLLM's list, not a copy; read for KV events only)
+    token_ids: Sequence[int] = ()
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)

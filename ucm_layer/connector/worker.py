@@ -52,6 +52,15 @@ blocks, which vLLM frees while the request runs) are waited on until they releas
 source blocks before ``wait_for_save`` returns. Layer-wise mode is refused by the
 connector.
 
+Observability (off by default, and then free): with tracing on, loads, dumps and (with a
+sparse backend in the process) each finished request's sparse selection become spans under
+the request's root span, whose ``traceparent`` the plans carry (``plan.traces``; see
+``tracing.py``). With KV events on (``report_dumps``), every numbered dump
+(``Transfer.seq``) is reported once the store answered for all its layers: which of its
+blocks this rank stored (``take_reports``, see ``events.py``); a dump skipped because its
+KV was computed on a failed load is reported as not stored. Tracking those needs every
+dump's statuses, so a dump is then settled even after vLLM freed its request.
+
 Ranks: a worker stamps its TP rank into the ids (each rank stores its own heads). MLA:
 every rank holds the same latent KV, so all use rank 0's ids and only rank 0 dumps.
 Not thread-safe beyond what vLLM does (one thread per worker).
@@ -60,8 +69,10 @@ Not thread-safe beyond what vLLM does (one thread per worker).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -71,7 +82,9 @@ from kvfabric.platform.stream import Event
 from kvfabric.platform.types import Medium
 from kvfabric.status import wait_or_cancel
 from kvfabric.ucm_layer import hashing
+from kvfabric.ucm_layer.connector import tracing
 from kvfabric.ucm_layer.connector.config import ConnectorConfig
+from kvfabric.ucm_layer.connector.events import DumpReport
 from kvfabric.ucm_layer.connector.hybrid import group_layouts
 from kvfabric.ucm_layer.connector.loads import IDLE_WAIT_S as IDLE_WAIT_S
 from kvfabric.ucm_layer.connector.loads import STALL_HOLD_S, AsyncLoads, LoadEnd
@@ -86,6 +99,32 @@ from kvfabric.ucm_layer.store.base import BlockStatus, Store, StoreLayout
 log = logging.getLogger("kvfabric.connector")
 
 StoreFactory = Callable[[StoreLayout], Store]
+
+
+@dataclass
+class _DumpBatch:
+    """One batched dump (all its layers, layer-wise) whose statuses spans and KV events
+    reports wait for: ``ok`` is the AND of its ops' per-block statuses so far."""
+
+    items: list[Transfer]
+    start_ns: int
+    ops: int  # ops (layers) still to settle
+    ok: np.ndarray
+    block_bytes: int
+    tier: str
+
+
+def _served_by(store: Store | None, ids: np.ndarray) -> str:
+    """The tier a load of ``ids`` (tagged) reads (tracing only): a pipeline's cache tier
+    when it holds every block now, its lower tier when it holds none, the pipeline's name
+    for a mix; a store's own name otherwise."""
+    if store is None:
+        return ""
+    upper, lower = getattr(store, "upper", None), getattr(store, "lower", None)
+    if upper is None or lower is None or not ids.shape[0]:
+        return store.name
+    held = int(np.count_nonzero(upper.lookup(ids)))
+    return upper.name if held == ids.shape[0] else lower.name if held == 0 else store.name
 
 
 def _raw_storage(t: Any) -> Any:
@@ -113,6 +152,8 @@ class WorkerSide:
         expected_layout: str | None = None,
         layout_note: str = "",
         groups: tuple[tuple[str, ...], ...] = (),
+        report_dumps: bool = False,
+        dump_tier: str = "",
     ) -> None:
         self.cfg, self.platform = cfg, platform
         self.expected_layout, self._layout_note = expected_layout, layout_note
@@ -138,6 +179,14 @@ class WorkerSide:
         self._failures = LoadFailures()
         self._load_trouble = False
         self._save_trouble = False
+        self.report_dumps = report_dumps  # KV events: report numbered dumps (events.py)
+        self.dump_tier = dump_tier or cfg.store  # the tier a dump's success speaks for
+        self._reports: list[DumpReport] = []
+        self._unsettled: list[DumpOp] = []  # dumps spans or reports still wait for
+        self._traces: dict[str, str] = {}  # req_id -> its root span's traceparent
+        self._load_tiers: dict[tuple[str, int], str] = {}  # async load -> tier at issue
+        self._layer_batch: _DumpBatch | None = None
+        self._noted: StepPlan | None = None
         if cfg.sparse:
             log.info(
                 "kvfabric: sparse attention %r runs in kvfabric's attention backend "
@@ -235,7 +284,23 @@ class WorkerSide:
         return np.concatenate([t.ids for t in items]), np.concatenate([t.blocks for t in items])
 
     # ------------------------------------------------------------------ loads
+    @property
+    def _tracking(self) -> bool:
+        """Whether dumps' statuses feed spans or KV events reports."""
+        return self.report_dumps or self.tracer.enabled
+
+    def _note(self, plan: StepPlan) -> None:
+        """Take the plan's trace contexts (once per plan; nothing when tracing is off)."""
+        if plan is self._noted:
+            return
+        self._noted = plan
+        if plan.traces:
+            self._traces.update(plan.traces)
+            while len(self._traces) > 65536:
+                del self._traces[next(iter(self._traces))]
+
     def start_load(self, plan: StepPlan) -> None:
+        self._note(plan)
         self._layer_loads.clear()
         self._failures.begin(plan)
         self._async.begin(plan.idle)
@@ -256,13 +321,19 @@ class WorkerSide:
                 self._layer_loads[layer] = (op, blocks, t0)
             return
         start_ns = time.time_ns()
+        tiers = None
+        if self.tracer.enabled:
+            tiers, row = [], 0
+            for t in plan.loads:
+                tiers.append(_served_by(self.store, ids[row : row + t.blocks.size]))
+                row += t.blocks.size
         try:
             status = wait_or_cancel(self.delegator.load(ids, blocks), self.cfg.load_timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
             self._load_failed(blocks, f"{type(e).__name__}: {e}")
             return
         self._load_done(blocks, status, time.perf_counter() - t0, self.delegator.layout.block_bytes)
-        self._spans("kvfabric.load", plan.loads, status, start_ns)
+        self._spans(tracing.LOAD, plan.loads, status, start_ns, tiers)
 
     def _start_async(self, t: Transfer) -> None:
         delegator = self._group_delegator(t.group)
@@ -284,8 +355,12 @@ class WorkerSide:
         if t.blocks.size == 0:
             self._async.ended(t.req_id)
             return
+        tagged = self._tag(t.ids, t.group)
+        if self.tracer.enabled:
+            store = self.stores[t.group] if t.group < len(self.stores) else None
+            self._load_tiers[(t.req_id, t.group)] = _served_by(store, tagged)
         try:
-            op = delegator.load(self._tag(t.ids, t.group), t.blocks)
+            op = delegator.load(tagged, t.blocks)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
             self._load_failed(t.blocks, f"{type(e).__name__}: {e}", req_id=t.req_id)
             self._async.ended(t.req_id)
@@ -303,13 +378,14 @@ class WorkerSide:
 
     def _load_ended(self, end: LoadEnd) -> None:
         t = end.transfer
+        tier = self._load_tiers.pop((t.req_id, t.group), "") if self._load_tiers else ""
         if end.status is None:
             self._load_failed(t.blocks, end.error, req_id=t.req_id)
             return
         delegator = self._group_delegator(t.group)
         assert delegator is not None
         self._load_done(t.blocks, end.status, end.secs, delegator.layout.block_bytes, req_id=t.req_id)
-        self._spans("kvfabric.load", [t], end.status, end.start_ns)
+        self._spans(tracing.LOAD, [t], end.status, end.start_ns, [tier])
 
     def failed_loads(self) -> set[str]:
         """Several groups: requests whose asynchronous load failed in some group, reported
@@ -337,12 +413,20 @@ class WorkerSide:
             blocks, status, time.perf_counter() - t0, self.delegator.layout.layer_bytes(layer), layer
         )
 
-    def _spans(self, name: str, items: list[Transfer], status: np.ndarray | None, start_ns: int) -> None:
-        """One span per request of a batched transfer (no-op without an endpoint)."""
+    def _spans(
+        self,
+        name: str,
+        items: list[Transfer],
+        status: np.ndarray | None,
+        start_ns: int,
+        tiers: list[str] | None = None,
+    ) -> None:
+        """One load span per request of a batched load, under the request's root (no-op
+        with tracing off)."""
         if not self.tracer.enabled or self.delegator is None:
             return
         end_ns, row = time.time_ns(), 0
-        for t in items:
+        for i, t in enumerate(items):
             n = int(t.blocks.size)
             ok = n if status is None else int((status[row : row + n] == BlockStatus.OK).sum())
             row += n
@@ -351,12 +435,14 @@ class WorkerSide:
                 name,
                 start_ns,
                 end_ns,
+                self._traces.get(t.req_id),
                 req_id=t.req_id,
                 blocks=ok,
                 bytes=ok * self.delegator.layout.block_bytes,
                 requested_tokens=t.requested_tokens,
                 hit_tokens=hit,
                 hit_rate=hit / t.requested_tokens if t.requested_tokens else 0.0,
+                store_tier=tiers[i] if tiers else "",
             )
 
     def _load_done(
@@ -411,6 +497,7 @@ class WorkerSide:
     def save_layer(self, layer_name: str, plan: StepPlan | None) -> None:
         if not self.cfg.layerwise or plan is None or not plan.dumps or not self.can_save:
             return
+        self._note(plan)
         layer = self._layer_index.get(layer_name)
         self._failures.begin(plan)
         items = self._failures.dumpable(plan.dumps)
@@ -424,10 +511,22 @@ class WorkerSide:
 
     def wait_for_save(self, plan: StepPlan | None) -> None:
         self._layer_dump_rows = None
+        self._layer_batch = None
         if plan is None:
             return
+        self._note(plan)
         self._failures.begin(plan)
         items = self._failures.dumpable(plan.dumps)
+        if self.report_dumps and self.can_save and len(items) < len(plan.dumps):
+            kept = {id(t) for t in items}
+            for t in plan.dumps:  # not dumped: their KV was computed on a failed load
+                if id(t) not in kept and t.seq >= 0:
+                    self._reports.append(DumpReport(t.seq, self.rank, bytes(int(t.blocks.size))))
+        if self.tracer.enabled and plan.first_blocks:
+            self._sparse_spans(plan)
+            for r in plan.first_blocks:
+                if r not in self._dumps:  # nothing of it left to trace here
+                    self._traces.pop(r, None)
         if items and self.groups and self.can_save and self.delegators:
             self._start_group_dumps(items)
         elif items and not self.cfg.layerwise and self.can_save and self.delegator is not None:
@@ -462,18 +561,97 @@ class WorkerSide:
     ) -> DumpOp | None:
         delegator = delegator or self.delegator
         assert delegator is not None
-        if layer in (None, 0):
-            self._spans("kvfabric.dump", items, None, time.time_ns())
+        batch = self._dump_batch(items, blocks, layer, delegator) if self._tracking else None
         try:
             op = delegator.dump(ids, blocks, after=self._compute_done(), layer=layer)
         except Exception as e:  # noqa: BLE001 - a failed dump is a future miss
             self._save_failed(int(blocks.size), f"{type(e).__name__}: {e}")
+            if batch is not None:
+                self._batch_settled(batch, None)
             return None
         op.started = time.perf_counter()  # type: ignore[attr-defined]
         op.block_bytes = delegator.layout.block_bytes  # type: ignore[attr-defined]
+        if batch is not None:
+            op.batch = batch  # type: ignore[attr-defined]
+            self._unsettled.append(op)
         for t in items:  # every request of the batch waits for the one op
             self._dumps.setdefault(t.req_id, []).append(op)
         return op
+
+    def _dump_batch(
+        self, items: list[Transfer], blocks: np.ndarray, layer: int | None, delegator: Delegator
+    ) -> _DumpBatch:
+        """The batch a dump op settles into: a new one, or (layer-wise, after layer 0) the
+        step's batch whose other layers are in flight."""
+        if layer is not None and layer > 0 and self._layer_batch is not None:
+            return self._layer_batch
+        ops = delegator.layout.num_layers if layer is not None else 1
+        tier = self.dump_tier
+        batch = _DumpBatch(
+            items, time.time_ns(), ops, np.ones(blocks.size, bool), delegator.layout.block_bytes, tier
+        )
+        if layer is not None:
+            self._layer_batch = batch
+        return batch
+
+    def _batch_settled(self, batch: _DumpBatch, status: np.ndarray | None) -> None:
+        """One op of ``batch`` settled (``status`` None: it failed whole); once every op did,
+        the batch's dump spans and KV events reports."""
+        if status is None:
+            batch.ok[:] = False
+        else:
+            batch.ok &= status == BlockStatus.OK
+        batch.ops -= 1
+        if batch.ops > 0:
+            return
+        end_ns, row = time.time_ns(), 0
+        for t in batch.items:
+            n = int(t.blocks.size)
+            ok = batch.ok[row : row + n]
+            row += n
+            if self.report_dumps and t.seq >= 0:
+                self._reports.append(DumpReport(t.seq, self.rank, ok.astype(np.uint8).tobytes()))
+            if self.tracer.enabled:
+                good = int(np.count_nonzero(ok))
+                self.tracer.record(
+                    tracing.DUMP,
+                    batch.start_ns,
+                    end_ns,
+                    self._traces.get(t.req_id),
+                    req_id=t.req_id,
+                    blocks=good,
+                    bytes=good * batch.block_bytes,
+                    store_tier=batch.tier,
+                )
+
+    def take_reports(self) -> list[DumpReport]:
+        """KV events: the numbered dumps this rank's store answered for since the last call
+        (``get_kv_connector_kv_cache_events``)."""
+        out, self._reports = self._reports, []
+        return out
+
+    def _sparse_spans(self, plan: StepPlan) -> None:
+        """A ``kvfabric.sparse`` span for each finished request the sparse backend of this
+        process selected blocks for (tracing on)."""
+        runtime = sys.modules.get("kvfabric.ucm_layer.sparse.vllm.runtime")
+        if runtime is None:  # no sparse backend in this process
+            return
+        for r, first in plan.first_blocks.items():
+            for rt in runtime.runtimes():
+                sel = rt.request_selection(first)
+                if sel is None:
+                    continue
+                self.tracer.record(
+                    tracing.SPARSE,
+                    sel.first_ns,
+                    sel.last_ns,
+                    plan.traces.get(r) or self._traces.get(r),
+                    req_id=r,
+                    sparse_algorithm=sel.algorithm,
+                    selection_s=sel.selection_s,
+                    sparse_layer_steps=sel.sparse_layer_steps,
+                )
+                break
 
     def _save_failed(self, n: int, why: str) -> None:
         self.stats.add(save_failed_blocks=n)
@@ -491,21 +669,30 @@ class WorkerSide:
         if self.delegator is None:
             return
         seen: set[int] = set()
-        for ops in self._dumps.values():
+        for ops in (*self._dumps.values(), self._unsettled):
             for op in ops:
                 if id(op) in seen or op.waited or not (block or op.check()):
                     continue
                 seen.add(id(op))
                 self._settle(op, None)
+        if self._unsettled:
+            self._unsettled = [op for op in self._unsettled if not op.waited]
 
     def _settle(self, op: DumpOp, timeout: float | None) -> None:
         """Wait for ``op`` (at most ``timeout``: the store then cancels what is left, as
         ``TIMEOUT``) and count its blocks stored or failed, naming the store's reasons."""
+        batch: _DumpBatch | None = getattr(op, "batch", None)
+        if batch is not None:
+            op.batch = None  # type: ignore[attr-defined]  # settles its batch once
         try:
             status = wait_or_cancel(op, timeout)
         except Exception as e:  # noqa: BLE001 - a failed dump is a future miss
             self._save_failed(op.num_blocks, f"{type(e).__name__}: {e}")
+            if batch is not None:
+                self._batch_settled(batch, None)
             return
+        if batch is not None:
+            self._batch_settled(batch, status)
         good = int((status == BlockStatus.OK).sum())
         if good < status.size:
             reasons = describe_reasons(failure_reasons(status))
@@ -552,6 +739,8 @@ class WorkerSide:
         for r in done:
             self._awaiting.discard(r)
             self._dumps.pop(r, None)
+            if self._traces:
+                self._traces.pop(r, None)
         # requests whose last ops are all waited and not awaited any more keep nothing
         return done
 
