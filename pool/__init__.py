@@ -29,12 +29,17 @@ def connect(
     platform: Platform | None = None,
     timeout: float = 1.0,
     rpc_spin_us: float | None = None,
+    etcd: str | None = None,
+    etcd_auth: Any = None,
     **client_kwargs: Any,
 ) -> PoolClient:
     """A client of the pool daemon at ``socket`` (default: the named pool's socket) or
-    ``tcp`` (``"host:port"``). Raises ``ServiceUnavailable`` if nothing answers within
-    ``timeout``. ``rpc_spin_us``: how long a call polls for its reply before sleeping
-    (default 100 µs on a Unix socket, 0 over TCP; see ``kvfabric.pool.client.rpc``).
+    ``tcp`` (``"host:port"``), or of the elected leader of pool ``name`` whose leadership
+    lives in ``etcd`` (``"etcd://HOST:PORT"``; ``etcd_auth``: its TLS / auth settings,
+    ``rendezvous.etcd.EtcdAuth``): the client finds the leader there and follows it across
+    a change (``kvfabric.pool.client.leader``). Raises ``ServiceUnavailable`` if nothing
+    answers within ``timeout``. ``rpc_spin_us``: how long a call polls for its reply before
+    sleeping (default 100 µs on a Unix socket, 0 over TCP; see ``kvfabric.pool.client.rpc``).
     ``client_kwargs``: ``window_bytes``, ``window_medium``, ``metadata_only``."""
     from kvfabric.platform.registry import default
     from kvfabric.pool import protocol as p
@@ -42,8 +47,15 @@ def connect(
     from kvfabric.pool.client.rpc import SocketTransport
     from kvfabric.pool.config import default_socket
 
-    endpoint = f"tcp://{tcp}" if tcp else (socket or default_socket(name))
-    transport = SocketTransport(endpoint, timeout=timeout, token=token, spin_us=rpc_spin_us)
+    transport: Any
+    if etcd:
+        from kvfabric.pool.client.leader import LeaderTransport
+
+        transport = LeaderTransport(etcd, name, token=token, auth=etcd_auth, timeout=timeout)
+        client_kwargs["etcd_auth"] = etcd_auth
+    else:
+        endpoint = f"tcp://{tcp}" if tcp else (socket or default_socket(name))
+        transport = SocketTransport(endpoint, timeout=timeout, token=token, spin_us=rpc_spin_us)
     try:
         info = transport.call(p.Info()).data
         plat = platform or default()

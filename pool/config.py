@@ -99,7 +99,10 @@ class PoolConfig:
     default_ttl_s: float = setting(0.0, doc="0: objects do not expire", lo=0)
     socket: str = setting("", doc="Unix socket path for RPC ('' -> a per-user default)")
     tcp: str = setting("", doc="HOST:PORT to also serve RPC over TCP ('' -> off)")
-    token: str = setting("", doc="shared secret required on TCP connections")
+    token: str = setting("", doc="shared secret required on TCP connections (RPC and rendezvous)")
+    insecure: bool = setting(
+        False, doc="serve tcp without a token: no authentication at all (trusted networks only)"
+    )
     http: str = setting("", doc="HOST:PORT of the HTTP endpoint (/health, /metrics, ...; '' -> off)")
     align: Size = setting(256, doc="allocation granularity in bytes (a power of two)")
     rpc_timeout_s: float = setting(
@@ -132,6 +135,21 @@ class PoolConfig:
     exit_when_idle_s: float = setting(
         0.0, doc="daemon: exit after this long with no client (0: serve until told)", lo=0
     )
+    leader_election: bool = setting(
+        False, doc="campaign for the pool's leadership in the rendezvous etcd (needs tcp); standby till won"
+    )
+    leader_ttl_s: int = setting(
+        10,
+        doc="the leader's etcd lease: a leader silent this long is replaced (and stops granting)",
+        lo=1,
+        hi=3600,
+    )
+    advertise: str = setting("", doc="HOST:PORT other nodes reach this daemon's tcp at ('' -> tcp's)")
+    etcd_ca: str = setting("", doc="etcd: CA file (PEM) to check its certificate against (HTTPS)")
+    etcd_cert: str = setting("", doc="etcd: client certificate file (PEM), with etcd_key")
+    etcd_key: str = setting("", doc="etcd: the client certificate's key file (PEM)")
+    etcd_user: str = setting("", doc="etcd: user name of its role-based auth, with etcd_password")
+    etcd_password: str = setting("", doc="etcd: the user's password")
 
     def __post_init__(self) -> None:
         coerce_fields(self, lambda key: f"pool config {key}")
@@ -158,6 +176,12 @@ class PoolConfig:
             )
         if self.token and not self.tcp:
             raise ValueError("pool config token is only used with tcp; set tcp=HOST:PORT")
+        if self.tcp and not self.token and not self.insecure:
+            raise ValueError(
+                f"pool config tcp={self.tcp!r} without token: a TCP listener needs a shared secret "
+                "(token: SECRET) or, to serve without authentication, insecure: true"
+            )
+        self._check_cluster()
         if self.fence_grace_s < self.write_lease_s:
             raise ValueError(
                 f"pool config fence_grace_s ({self.fence_grace_s}) must be >= "
@@ -165,6 +189,52 @@ class PoolConfig:
             )
         if not self.socket:
             object.__setattr__(self, "socket", default_socket(self.name))
+
+    def _check_cluster(self) -> None:
+        """The keys of leadership and etcd security, together."""
+        etcd = self.rendezvous.startswith("etcd://")
+        if self.leader_election and not (etcd and self.tcp):
+            raise ValueError(
+                "pool config leader_election needs rendezvous=etcd://HOST:PORT (where the leader is elected) "
+                f"and tcp=HOST:PORT (where clients reach the leader); got rendezvous={self.rendezvous!r}, "
+                f"tcp={self.tcp!r}"
+            )
+        if self.advertise:
+            _host, port = _host_port(self.advertise, "advertise")
+            if not self.tcp or port == 0:
+                raise ValueError(f"pool config advertise={self.advertise!r}: needs tcp and a port > 0")
+        elif self.leader_election and self.tcp_addr is not None and self.tcp_addr[0] in ("0.0.0.0", "::", ""):
+            raise ValueError(
+                f"pool config tcp={self.tcp!r} listens on every address: set advertise=HOST:PORT, "
+                "the address other nodes reach it at (the leader key holds it)"
+            )
+        given = [
+            k for k in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password") if getattr(self, k)
+        ]
+        if given and not etcd:
+            raise ValueError(f"pool config {', '.join(given)}: only used with rendezvous=etcd://HOST:PORT")
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise ValueError(
+                "pool config etcd_cert and etcd_key go together (a client certificate and its key)"
+            )
+        if bool(self.etcd_user) != bool(self.etcd_password):
+            raise ValueError("pool config etcd_user and etcd_password go together")
+        for k in ("etcd_ca", "etcd_cert", "etcd_key"):
+            path = getattr(self, k)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"pool config {k}={path!r}: no such file")
+
+    @property
+    def etcd_auth(self) -> Any:
+        """The etcd TLS / auth settings as an ``EtcdAuth`` (``rendezvous.etcd``)."""
+        from kvfabric.pool.gva.rendezvous.etcd import EtcdAuth
+
+        return EtcdAuth(self.etcd_ca, self.etcd_cert, self.etcd_key, self.etcd_user, self.etcd_password)
+
+    @property
+    def advertised(self) -> str:
+        """HOST:PORT other nodes are told (the leader key); a port 0 is the bound one's to fill."""
+        return self.advertise or self.tcp
 
     @property
     def tcp_addr(self) -> tuple[str, int] | None:
@@ -189,6 +259,7 @@ class PoolConfig:
 
     def effective(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        if out["token"]:
-            out["token"] = "***"
+        for secret in ("token", "etcd_password"):
+            if out[secret]:
+                out[secret] = "***"
         return out

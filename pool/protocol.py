@@ -33,6 +33,9 @@ Sizes = Annotated[list[Annotated[int, Meta(gt=0)]], Meta(max_length=MAX_BATCH)]
 Rank = Annotated[int, Meta(ge=0)]
 ClientId = Annotated[str, Meta(max_length=MAX_KEY_BYTES)]
 MAX_FRAME = 1 << 29  # bytes of one request frame; a longer one closes the connection
+#: how a ``Reply.error`` starts when the service does not lead its pool (a standby, or a
+#: leader whose etcd lease may have run out): the client looks the leader up and retries
+NOT_LEADER = "not the leader"
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):

@@ -26,7 +26,9 @@ array and raise only when the service itself is unreachable. Thread-safe.
 placed in its memory (its own puts first), and it re-registers those objects if the meta
 service restarts. ``metadata_only``: no fabric, no data path; only ``exists`` and the
 other metadata calls. ``local_reads=False``: read like a client on another node (RPC read
-leases), which is also how that path is tested.
+leases), which is also how that path is tested. ``etcd_auth``: TLS / auth settings of an
+etcd rendezvous (``rendezvous.etcd.EtcdAuth``); the transport's ``token``, when it has
+one, also authenticates the client to a rendezvous server over TCP.
 
 Integrity: every object carries its writer's checksum; with ``verify`` on (the pool's
 setting unless the client says otherwise) a read counts only once the bytes it copied
@@ -72,8 +74,14 @@ class PoolClient:
         local_reads: bool = True,
         client_id: str | None = None,
         verify: Verify | str | bool | None = None,
+        etcd_auth: Any = None,
     ) -> None:
-        options = ClientOptions(window_bytes, window_medium, metadata_only, local_reads, client_id, verify)
+        token = str(getattr(transport, "token", "") or "")
+        if isinstance(getattr(transport, "token", None), bytes):
+            token = transport.token.decode()  # type: ignore[attr-defined]
+        options = ClientOptions(
+            window_bytes, window_medium, metadata_only, local_reads, client_id, verify, token, etcd_auth
+        )
         self.session = Session(transport, platform, options)
         self.writer = Writer(self.session)
         self.reader = Reader(self.session)

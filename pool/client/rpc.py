@@ -16,12 +16,18 @@ the same node comes back in tens of µs, and a sleeping caller adds its own wake
 each round trip (about 100 µs per metadata RPC with the other core idle against about 45 µs
 with the short spin, measured on the 2-core development machine). TCP connections, which
 may cross nodes, sleep at once (``spin_us`` 0).
+
+``call_unchecked(request, timeout=None)`` is ``call`` without raising a refusal (the caller
+reads ``Reply.error`` itself: the leader-following transport, ``leader.py``, retries a
+``NOT_LEADER`` answer elsewhere); ``timeout`` bounds that one call instead of ``timeout``.
+``remote`` is True over TCP (the session then joins the pool's rendezvous over TCP too).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 from multiprocessing.connection import (
@@ -59,7 +65,34 @@ def spin_poll(conn: Connection, seconds: float) -> bool:
     return True
 
 
+class SentUnanswered(ServiceUnavailable):
+    """The request was sent but no reply came: the service may have acted on it."""
+
+
+class TokenRefused(ServiceUnavailable):
+    """The service refused this client's token (a wrong shared secret)."""
+
+
+def _authenticate(conn: Connection, token: bytes, timeout: float) -> None:
+    """The HMAC challenge both ways (``multiprocessing.connection``), bounded by ``timeout``:
+    the handshake's reads block, so a stalled service must not hold the caller past it."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as s:
+        # kernel timeouts (the fd stays blocking, as Connection needs): reads past it fail
+        tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6) or (0 if timeout >= 1 else 1000))
+        for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            s.setsockopt(socket.SOL_SOCKET, opt, tv)
+        answer_challenge(conn, token)
+        deliver_challenge(conn, token)
+        for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            s.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", 0, 0))
+
+
 class Transport(Protocol):
+    """What a session calls the meta service through: ``call`` returns the reply or raises
+    (``ServiceUnavailable`` within its timeout, ``ValueError`` for a refused request);
+    ``close`` releases the connection. Transports may have ``remote`` (bool, default
+    False: the service is reached over the network) and ``token`` (its shared secret)."""
+
     def call(self, req: Any) -> p.Reply: ...
 
     def close(self) -> None: ...
@@ -96,44 +129,59 @@ class SocketTransport:
         self._conn: Connection | None = None
         self._pid = os.getpid()
 
-    def _connect(self) -> Connection:
+    def _connect(self, timeout: float | None = None) -> Connection:
         if self._conn is None or self._pid != os.getpid():
+            wait = self.timeout if timeout is None else timeout
             try:
                 if self.family == "AF_UNIX":
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 else:
                     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.settimeout(self.timeout)
+                sock.settimeout(wait)
                 sock.connect(self.address)
                 sock.settimeout(None)
                 conn = Connection(sock.detach())
                 if self.token is not None:
-                    answer_challenge(conn, self.token)
-                    deliver_challenge(conn, self.token)
-            except (OSError, EOFError, AuthenticationError) as e:
+                    _authenticate(conn, self.token, wait)
+            except AuthenticationError as e:
+                raise TokenRefused(f"pool service at {self.endpoint} refused the token: {e}") from e
+            except (OSError, EOFError) as e:
                 raise ServiceUnavailable(f"pool service at {self.endpoint} is not reachable: {e}") from e
             self._conn, self._pid = conn, os.getpid()
         return self._conn
 
+    @property
+    def remote(self) -> bool:
+        return self.family == "AF_INET"
+
     def call(self, req: Any) -> p.Reply:
+        return checked(self.call_unchecked(req))
+
+    def call_unchecked(self, req: Any, timeout: float | None = None) -> p.Reply:
+        """One round trip; the reply as it came (see module docstring). ``SentUnanswered``
+        (a ``ServiceUnavailable``) when the request left but no reply came, so the caller
+        knows the service may have acted on it; plain ``ServiceUnavailable`` when it never
+        left (no connection)."""
         payload = p.encode(req)
         if len(payload) > p.MAX_FRAME:  # the service would close the connection unread
             raise ValueError(f"pool request of {len(payload)} B is longer than {p.MAX_FRAME} B: split it")
+        wait = self.timeout if timeout is None else timeout
         with self._lock:
-            conn = self._connect()
+            conn = self._connect(wait)
             try:
                 conn.send_bytes(payload)
-                if not (self.spin_s and spin_poll(conn, self.spin_s)) and not conn.poll(self.timeout):
+                if not (self.spin_s and spin_poll(conn, self.spin_s)) and not conn.poll(wait):
                     self._reset()
-                    raise ServiceUnavailable(
-                        f"pool service at {self.endpoint} did not answer within {self.timeout} s"
-                    )
+                    raise SentUnanswered(f"pool service at {self.endpoint} did not answer within {wait} s")
                 data = conn.recv_bytes()
             except (OSError, EOFError) as e:
                 self._reset()
-                raise ServiceUnavailable(f"pool service at {self.endpoint} went away: {e}") from e
-        return checked(p.decode_reply(data))
+                raise SentUnanswered(f"pool service at {self.endpoint} went away: {e}") from e
+            if data.startswith(b"#CHALLENGE#"):  # multiprocessing's token challenge
+                self._reset()
+                raise TokenRefused(f"pool service at {self.endpoint} asks for a token; none was given")
+        return p.decode_reply(data)
 
     def _reset(self) -> None:
         if self._conn is not None:

@@ -5,7 +5,9 @@ a restarted service by its epoch and catches up before returning), the client's 
 the pool's GVA fabric and its data plane (``dp``), the directory table mapped from the
 service (same node only; ``read`` retries once when the service retired it), and the
 objects this client's own window holds (``owned``), which it re-registers with a
-restarted service. :class:`~kvfabric.pool.client.reads.Reader` and
+restarted service (or a newly elected leader: the same path, but a fabric rank held in
+etcd outlives the old service, so it is kept, not rejoined).
+:class:`~kvfabric.pool.client.reads.Reader` and
 :class:`~kvfabric.pool.client.writes.Writer` work over a session;
 :class:`~kvfabric.pool.client.api.PoolClient` composes the three.
 """
@@ -28,7 +30,8 @@ from kvfabric.pool import protocol as p
 from kvfabric.pool.client.dataplane import FabricDataPlane
 from kvfabric.pool.client.rpc import Transport
 from kvfabric.pool.gva.config import GvaConfig
-from kvfabric.pool.gva.fabric import Fabric
+from kvfabric.pool.gva.fabric import Fabric, FabricState
+from kvfabric.pool.gva.rendezvous import store_options
 from kvfabric.pool.table import TableRetired, TableView, attach
 from kvfabric.pool.windows import FixedStride
 
@@ -87,6 +90,8 @@ class ClientOptions:
     local_reads: bool = True
     client_id: str | None = None
     verify: Verify | str | bool | None = None
+    token: str = ""  # the pool's shared secret: the rendezvous over TCP asks for it too
+    etcd_auth: Any = None  # TLS / auth of an etcd rendezvous (rendezvous.etcd.EtcdAuth)
 
 
 class Session:
@@ -98,6 +103,7 @@ class Session:
         self.transport = transport
         self.platform = platform
         self.client_id = o.client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.options = o
         self.metadata_only = o.metadata_only
         self.local_reads = o.local_reads
         self.table: TableView | None = None
@@ -156,21 +162,40 @@ class Session:
         return lo <= gva < lo + self._window.nbytes
 
     # ------------------------------------------------------------------ joining
+    def _rendezvous(self, info: dict[str, Any]) -> str:
+        """The pool's rendezvous as this client reaches it (over TCP when its RPC is)."""
+        if getattr(self.transport, "remote", False) and info.get("rendezvous_tcp"):
+            return str(info["rendezvous_tcp"])
+        return str(info["rendezvous"])
+
     def _join(self, info: dict[str, Any], rank: int | None, token: str | None = None) -> None:
         windows = {self._window.medium: self._window} if self._window is not None else {}
+        url = self._rendezvous(info)
         self.fabric = Fabric.join(
-            info["rendezvous"], self.platform, windows, rank=rank, config=gva_config(info), token=token
+            url,
+            self.platform,
+            windows,
+            rank=rank,
+            config=gva_config(info),
+            token=token,
+            store_options=store_options(url, self.options.token, self.options.etcd_auth),
         )
         self.rank = self.fabric.rank
         self.fabric.on_evicted(lambda why: log.info("pool rank %s left the fabric: %s", self.rank, why))
         self.dp = FabricDataPlane(self.fabric)
-        if self._window is not None:  # the service places objects here once it saw us join
-            deadline = time.monotonic() + JOIN_VISIBLE_S
-            while self.rank not in self.transport.call(p.Info()).data["ranks"]:
-                if time.monotonic() > deadline:
-                    log.warning("the pool service has not seen rank %s join yet", self.rank)
-                    break
-                time.sleep(0.01)
+        self._wait_visible()
+
+    def _wait_visible(self) -> None:
+        """The service places objects in this client's window (and takes its objects back)
+        only once it saw the rank join: wait for that, at most ``JOIN_VISIBLE_S``."""
+        if self._window is None:
+            return
+        deadline = time.monotonic() + JOIN_VISIBLE_S
+        while self.rank not in self.transport.call(p.Info()).data["ranks"]:
+            if time.monotonic() > deadline:
+                log.warning("the pool service has not seen rank %s join yet", self.rank)
+                break
+            time.sleep(0.01)
 
     def _attach(self, info: dict[str, Any]) -> None:
         """Map the service's directory table (same node only)."""
@@ -195,7 +220,15 @@ class Session:
         is tried again on the next call."""
         log.warning("pool meta service restarted (epoch %x -> %x); rejoining", self._epoch, epoch)
         info = self.transport.call(p.Info()).data
-        if self.fabric is not None:
+        kept = (
+            self.fabric is not None
+            and self.fabric.state is FabricState.JOINED
+            and self._rendezvous(info).startswith("etcd://")
+            and self.fabric.store.url == self._rendezvous(info)
+        )
+        if kept:  # a new leader of a pool whose membership lives in etcd: the rank is still ours
+            self._wait_visible()
+        elif self.fabric is not None:
             token = self.fabric.token
             try:
                 self.fabric.leave()

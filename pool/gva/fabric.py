@@ -124,10 +124,13 @@ class Fabric:
         rank: int | None = None,
         config: GvaConfig | None = None,
         token: str | None = None,
+        store_options: Mapping[str, Any] | None = None,
     ) -> Fabric:
         """Join the pool at ``store`` (a ``KVStore`` or its url) contributing ``windows``.
         ``token``: join as this incarnation token (a previous one of this process, to
-        reclaim the rank reserved for it after the store restarted); default a new one."""
+        reclaim the rank reserved for it after the store restarted); default a new one.
+        ``store_options``: passed to the store opened from a url (``rendezvous.connect``:
+        ``token`` of a ``kvf://`` server, ``auth`` of etcd)."""
         cfg = config or GvaConfig()
         if not isinstance(cfg, GvaConfig):
             raise TypeError(f"config must be a GvaConfig, got {type(cfg).__name__}")
@@ -139,7 +142,10 @@ class Fabric:
             raise TypeError(f"platform must be a Platform, a name or None, got {type(platform).__name__}")
         owned_store = isinstance(store, str)
         if isinstance(store, str):
-            st = connect(store, **({"ttl": cfg.heartbeat_ttl} if store.startswith("etcd://") else {}))
+            opts = dict(store_options or {})
+            if store.startswith("etcd://"):
+                opts.setdefault("ttl", cfg.heartbeat_ttl)
+            st = connect(store, **opts)
         else:
             st = store
         try:

@@ -30,9 +30,9 @@ from kvfabric.pool.status import Status
 log = logging.getLogger("kvfabric.pool")
 
 
-def adopt_old_tables(service: MetaService, prefix: str, mine: str, rebuild: bool) -> int:
+def adopt_old_tables(service: MetaService, prefix: str, mine: str, rebuild: bool, rank: int = 0) -> int:
     """Adopt every table named ``prefix``* but ``mine`` (see module docstring); the number
-    of objects re-entered."""
+    of objects re-entered. ``rank``: the node's own rank (its window's objects are rebuilt)."""
     named = shm.NAMED + prefix
     rebuilt = 0
     for name in sorted(n for n in os.listdir(shm.shm_dir()) if n.startswith(named) and n != mine):
@@ -45,7 +45,7 @@ def adopt_old_tables(service: MetaService, prefix: str, mine: str, rebuild: bool
         old.retire()
         _fence_from(service, old)
         if rebuild:
-            rebuilt += _rebuild_from(service, old)
+            rebuilt += _rebuild_from(service, old, rank)
         old.close()
         shm.unlink_named(name[len(shm.NAMED) :])
     if rebuilt:
@@ -53,8 +53,8 @@ def adopt_old_tables(service: MetaService, prefix: str, mine: str, rebuild: bool
     return rebuilt
 
 
-def _rebuild_from(service: MetaService, old: tbl.TableView) -> int:
-    w = service.windows.get((0, Medium.DRAM))
+def _rebuild_from(service: MetaService, old: tbl.TableView, rank: int = 0) -> int:
+    w = service.windows.get((rank, Medium.DRAM))
     if w is None:
         return 0
     s = old.slots

@@ -121,7 +121,12 @@ class PoolDaemon:
             self._checkpoint(StartStage.LOCKED)
             self.node = PoolNode(config, platform, persistent=True, checkpoint=self._checkpoint)
             self.rpc = RpcServer(
-                self.node.dispatcher, config.socket, config.tcp_addr, config.token, config.rpc_spin_us
+                self.node.dispatcher,
+                config.socket,
+                config.tcp_addr,
+                config.token,
+                config.rpc_spin_us,
+                insecure=config.insecure,
             )
         except BaseException:
             self.stop()
@@ -154,6 +159,8 @@ class PoolDaemon:
         assert self.node is not None and self.rpc is not None
         try:
             self.rpc.start()
+            if self.config.leader_election and self.rpc.tcp_port is not None:
+                self.node.start_election(self.rpc.tcp_port)  # stands by until elected
             self._checkpoint(StartStage.RPC)
             if self.config.http_addr is not None:
                 node = self.node

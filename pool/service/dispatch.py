@@ -14,6 +14,13 @@ addresses of ``reregister`` (inside a window of the pool). A request that fails 
 gets an ``error`` reply naming the field and the first bad index, and changes nothing;
 the socket's decoder refuses some of the same earlier (``protocol.py``), but in-process
 callers reach the dispatcher directly, so it checks everything itself.
+
+Leadership (a pool whose meta services are elected, ``leader.py``): with a ``gate`` set,
+every request but ``Info`` / ``Hello`` first asks it, under the lock, right before the
+service acts; a refusal (the gate's reason) is answered ``NOT_LEADER`` and changes
+nothing. While ``hold_allocs_until`` (monotonic seconds) has not passed, ``Alloc``
+answers ``UNAVAILABLE`` for every key (a new leader's grace: writers the previous one
+let in may still be copying). ``leader_info`` adds fields to ``Info``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvfabric.platform.types import Medium
@@ -39,6 +47,7 @@ from kvfabric.pool.keys import (
 )
 from kvfabric.pool.service.meta import MetaService
 from kvfabric.pool.service.metrics import PoolMetrics
+from kvfabric.pool.status import Status
 
 log = logging.getLogger("kvfabric.pool")
 
@@ -59,6 +68,17 @@ class Dispatcher:
         self.metrics = metrics or PoolMetrics()
         self._info = dict(info)
         self.started = time.time()
+        #: leadership (see module docstring); all three are set by the node, None/0: none
+        self.gate: Callable[[], str | None] | None = None
+        self.hold_allocs_until = 0.0
+        self.leader_info: Callable[[], dict[str, Any]] | None = None
+
+    def _refusal(self, req: Any) -> p.Reply | None:
+        """A ``NOT_LEADER`` reply when the gate refuses ``req`` (call under the lock)."""
+        if self.gate is None or isinstance(req, (p.Info, p.Hello)):
+            return None
+        why = self.gate()
+        return None if why is None else p.Reply(self.epoch, error=f"{p.NOT_LEADER}: {why}")
 
     def handle(self, req: Any, pid: int = 0) -> p.Reply:
         """Serve one request. ``pid``: the caller's process when it is on this node (the
@@ -73,7 +93,7 @@ class Dispatcher:
         with self.lock:
             try:
                 self.check_request(req)
-                reply = self._dispatch(req, pid)
+                reply = self._refusal(req) or self._dispatch(req, pid)
             except (ValueError, TypeError, KeyError) as e:
                 reply = p.Reply(self.epoch, error=f"{op}: {e}")
             self.metrics.observe(op, time.perf_counter() - t0, reply)
@@ -171,6 +191,8 @@ class Dispatcher:
             st, g, sz, gen, lid, sums = s.lookup(req.keys, req.lease)
             return p.Reply(e, status=st, gvas=g, sizes=sz, gens=gen, lease_ids=lid, sums=sums)
         if isinstance(req, p.Alloc):
+            if self.hold_allocs_until and time.monotonic() < self.hold_allocs_until:
+                return p.Reply(e, status=[int(Status.UNAVAILABLE)] * len(req.keys), gvas=[0] * len(req.keys))
             medium = None if req.medium is None else Medium.parse(req.medium)
             st, g, gen = s.alloc(
                 req.client, req.keys, req.sizes, req.home_rank, req.preferred_rank, medium, pid
@@ -206,6 +228,7 @@ class Dispatcher:
             "ranks": sorted({r for r, _ in s.windows}),
             "capacity": s.capacity(),
             "uptime_s": round(time.time() - self.started, 1),
+            **(self.leader_info() if self.leader_info is not None else {}),
         }
 
     def _list_keys_reply(self, req: p.ListKeys) -> p.Reply:
@@ -217,6 +240,9 @@ class Dispatcher:
                 self.check_request(req)
             except (ValueError, TypeError) as e:
                 return p.Reply(self.epoch, error=f"list_keys: {e}")
+            refused = self._refusal(req)
+            if refused is not None:
+                return refused
             epoch = self.epoch
             offsets, lengths, arena = self.service.table.view.readable_keys()
         keys = sorted(

@@ -7,6 +7,16 @@ and its rank in the pool's GVA fabric: rank 0, with a DRAM window of its own unl
 table (joins, leaves, deaths) into the directory. The daemon (``daemon.py``) serves the
 node over RPC; ``EmbeddedPool`` serves it in-process (nothing to start), with a thread
 that expires leases.
+
+Leadership (``leader_election``: meta services on several nodes, one pool, etcd as the
+rendezvous): every node joins the pool's fabric (at any free rank, since rank 0 is no
+one's in particular then) and follows its membership, but serves requests only while its
+:class:`~kvfabric.pool.service.leader.Campaign` leads (the dispatcher's gate). Elected, it
+starts from an empty directory under a new epoch, so clients notice the change and
+re-register what their windows hold (the restart path), and it holds allocations back
+for ``write_lease_s`` (writers the previous leader let in may still be copying); deposed,
+it empties its directory again. ``start_election(port)`` starts the campaign once the
+daemon's TCP RPC listener is bound (its address is what the leader key tells clients).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvfabric.errors import HandleError
 from kvfabric.platform import shm
@@ -34,11 +45,13 @@ from kvfabric.pool.client.session import gva_config
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.gva import membership
 from kvfabric.pool.gva.fabric import Fabric, MembershipChange
+from kvfabric.pool.gva.rendezvous import store_options
 from kvfabric.pool.gva.rendezvous.server import RendezvousServer
 from kvfabric.pool.gva.segments import Reservation, SegmentTable
 from kvfabric.pool.service.adopt import adopt_old_tables
 from kvfabric.pool.service.dispatch import Dispatcher
 from kvfabric.pool.service.events import EventQueue, KvEventPublisher
+from kvfabric.pool.service.leader import Campaign, LeaderState
 from kvfabric.pool.service.local import LocalTransport
 from kvfabric.pool.service.meta import MetaService
 from kvfabric.pool.service.prefix import PrefixQuery
@@ -116,6 +129,7 @@ class PoolNode:
         self._reserved: dict[int, Reservation] = {}
         self._ranks_lock = threading.Lock()
         self.rebuilt = 0
+        self.campaign: Campaign | None = None
         self.platform = platform or create_platform()
         try:
             self._start()
@@ -142,6 +156,7 @@ class PoolNode:
         self._stage(StartStage.TABLE)
         self.service = MetaService(self.config, self.table, self.addressing)
         url = self.config.rendezvous or self._start_rendezvous()
+        tcp_url = self.rdv.tcp_url if self.rdv is not None and self.rdv.tcp else ""
         self._stage(StartStage.RENDEZVOUS)
         self.dispatcher = Dispatcher(
             self.service,
@@ -153,6 +168,7 @@ class PoolNode:
                 "platform": self.platform.name,
                 "stride": self.addressing.stride,
                 "rendezvous": url,
+                "rendezvous_tcp": tcp_url,  # for clients over TCP ('' -> rendezvous)
                 "namespace": f"kvfabric/pool/{self.config.name}",
                 "transports": self.config.transports,
                 "session_ttl_s": self.config.session_ttl_s,
@@ -164,18 +180,30 @@ class PoolNode:
             if self.config.pretouch and not self._window_found:
                 _pretouch(self.window, lambda: self._stage(StartStage.PRETOUCH))
         windows: dict[Medium, Any] = {Medium.DRAM: self.window} if self.window is not None else {}
+        elected = self.config.leader_election
         self.fabric = Fabric.join(
-            url, self.platform, windows, rank=0, config=gva_config(self.dispatcher.info())
+            url,
+            self.platform,
+            windows,
+            rank=None if elected else 0,
+            config=gva_config(self.dispatcher.info()),
+            store_options=store_options(url, self.config.token, self.config.etcd_auth),
         )
         self.fabric.subscribe(self._on_change)
         self.dispatcher.apply_table(self.fabric.table)
-        if self.persistent:
+        if elected:
+            self.dispatcher.gate = lambda: "this meta service stands by"  # until start_election
+        if self.persistent and not elected:  # with etcd, ranks outlive this daemon there
             self._reserve_ranks()
         self._stage(StartStage.FABRIC)
         if self.persistent:
             with self.dispatcher.lock:
                 self.rebuilt = adopt_old_tables(
-                    self.service, self._name("table."), self.table.seg.name, rebuild=self._window_found
+                    self.service,
+                    self._name("table."),
+                    self.table.seg.name,
+                    rebuild=self._window_found,
+                    rank=self.fabric.rank,
                 )
             self._tables_adopted = True
         self._stage(StartStage.ADOPTED)
@@ -186,10 +214,9 @@ class PoolNode:
         """The KV event publisher (``service/events.py``): its first batches are the
         directory as it is now; the service reports every change after that."""
         assert self.fabric is not None and self.table is not None
-        service = self.service
 
         def install(queue: EventQueue | None) -> None:
-            service.events = queue
+            self.service.events = queue  # the service of now (a new leader starts a new one)
 
         self.events = KvEventPublisher(
             self.config,
@@ -221,11 +248,7 @@ class PoolNode:
     def _start_rendezvous(self) -> str:
         """The pool's single-node rendezvous store: TCP when the pool serves other nodes,
         else a Unix socket beside the RPC socket (or in a private directory, embedded)."""
-        if self.config.tcp_addr is not None:
-            self.rdv = RendezvousServer(
-                self.config.tcp_addr[0], 0, session_ttl=self.config.session_ttl_s
-            ).start()
-            return self.rdv.url
+        tcp = self.config.tcp_addr
         if self.persistent:
             path = self.config.socket + ".rdv"
             if os.path.exists(path):
@@ -233,8 +256,69 @@ class PoolNode:
         else:
             self._tmpdir = tempfile.mkdtemp(prefix="kvfabric-pool-")
             path = os.path.join(self._tmpdir, "rdv.sock")
-        self.rdv = RendezvousServer(unix_path=path, session_ttl=self.config.session_ttl_s).start()
+        self.rdv = RendezvousServer(
+            tcp[0] if tcp is not None else "127.0.0.1",
+            0,
+            unix_path=path,
+            tcp=tcp is not None,
+            token=self.config.token,
+            session_ttl=self.config.session_ttl_s,
+        ).start()
         return self.rdv.url
+
+    # ------------------------------------------------------------------ leadership
+    def start_election(self, tcp_port: int) -> Campaign:
+        """Campaign for the pool's leadership (``leader_election``), advertising this
+        node's TCP RPC listener (bound at ``tcp_port``) in the leader key. Standing by
+        until elected; see the module docstring for what election and deposition do."""
+        from kvfabric.pool.client.leader import LeaderRecord
+        from kvfabric.pool.gva.rendezvous.etcd import EtcdStore
+        from kvfabric.pool.service.leader import Campaign
+
+        if not self.config.leader_election or self.fabric is None:
+            raise ValueError("start_election needs pool config leader_election (and a started node)")
+        if self.campaign is not None:
+            raise ValueError("start_election called twice")
+        host, port = _host_port_of(self.config.advertised)
+        record = LeaderRecord(f"{host}:{port or tcp_port}", os.getpid(), self.fabric.node, time.time())
+        ttl = self.config.leader_ttl_s
+        store = EtcdStore(self.config.rendezvous, call_timeout=max(0.5, ttl / 4), auth=self.config.etcd_auth)
+        campaign = Campaign(store, self.config.name, record.encode(), ttl, self._on_elected, self._on_deposed)
+        self.campaign = campaign
+        self.dispatcher.leader_info = lambda: _leader_fields(campaign)
+        self.dispatcher.gate = lambda: None if campaign.may_grant() else _why_not(campaign)
+        return campaign.start()
+
+    def _on_elected(self) -> None:
+        with self.dispatcher.lock:
+            self._fresh_directory()
+            self.dispatcher.hold_allocs_until = time.monotonic() + self.config.write_lease_s
+
+    def _on_deposed(self, reason: str) -> None:
+        with self.dispatcher.lock:
+            self._fresh_directory()
+
+    def _fresh_directory(self) -> None:
+        """An empty directory under a new epoch (call under the dispatcher's lock): every
+        entry leaves the table (on-node readers see each go), the service starts over on the
+        fabric's windows, and clients that see the new epoch re-register their objects."""
+        assert self.table is not None and self.fabric is not None
+        old = self.service
+        old.remove_all()  # the readable objects, as a removal would (KV events see them go)
+        writer = old.table
+        for slot in np.flatnonzero(self.table.slots["hash"] != 0).tolist():
+            writer.remove(int(slot))
+        epoch = int.from_bytes(os.urandom(8), "little") | 1
+        writer.set_epoch(epoch)
+        self.service = MetaService(self.config, self.table, self.addressing)
+        if getattr(old, "events", None) is not None:  # hooks installed on the service carry over
+            self.service.events = old.events  # type: ignore[attr-defined]
+        self.dispatcher.service = self.service
+        self.dispatcher.epoch = epoch
+        table = self.fabric.table
+        want = {(seg.rank, seg.medium): seg.nbytes for seg in table.segments}
+        for (rank, medium), size in want.items():
+            self.service.add_window(rank, medium, size)
 
     # ------------------------------------------------------------------ ranks across restarts
     def _ranks_path(self) -> str:
@@ -311,6 +395,8 @@ class PoolNode:
         if self._closed:
             return
         self._closed = True
+        if self.campaign is not None:
+            self.campaign.stop()  # a leader gives the key up now, so a standby takes over
         keep_window = self.persistent and not self.serving and self._window_found
         keep_table = keep_window and self._tables_adopted
         if self.events is not None:
@@ -336,6 +422,30 @@ class PoolNode:
                 shm.unlink_named(seg.name[len(shm.NAMED) :])
         if self._own_platform:
             self.platform.close()
+
+
+def _host_port_of(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host, int(port)
+
+
+def _why_not(campaign: Campaign) -> str:
+    st = campaign.status()
+    if st.state is LeaderState.LEADER:
+        return "its etcd lease may have run out (it grants nothing until it is renewed)"
+    return f"this meta service is {st.state.value}" + (f"; the leader is at {st.leader}" if st.leader else "")
+
+
+def _leader_fields(campaign: Campaign) -> dict[str, Any]:
+    st = campaign.status()
+    return {
+        "leader": {
+            "state": st.state.value,
+            "leader": st.leader,
+            "terms": st.terms,
+            "grant_s_left": st.grant_s_left,
+        }
+    }
 
 
 def _pretouch(buf: Buffer, step_done: Callable[[], None]) -> None:

@@ -20,6 +20,11 @@ and one ticker (lease and TTL expiry, metrics, dead-rank detection every 100 ms)
 request goes through the dispatcher's lock, so the service stays single-threaded.
 ``stop()`` closes the listeners and connections and removes the socket file (only the one
 ``start()`` bound: the daemon's socket lock makes it the only server on that path).
+
+Security: TCP needs a ``token`` unless ``insecure`` says otherwise (the constructor
+refuses, naming the setting). The token's HMAC challenge runs in the connection's own
+thread with a time limit (``AUTH_TIMEOUT_S``), so a peer that connects and says nothing
+holds up no one; a wrong token closes only that connection (logged).
 """
 
 from __future__ import annotations
@@ -28,8 +33,15 @@ import logging
 import os
 import resource
 import socket
+import struct
 import threading
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import (
+    AuthenticationError,
+    Connection,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+)
 
 from kvfabric.pool import protocol as p
 from kvfabric.pool.client.rpc import spin_poll
@@ -38,6 +50,7 @@ from kvfabric.pool.service.dispatch import Dispatcher
 
 log = logging.getLogger("kvfabric.pool.server")
 TICK_S = 0.1
+AUTH_TIMEOUT_S = 5.0  # a TCP peer that has not answered the token challenge by then is dropped
 
 
 class SpinGovernor:
@@ -83,7 +96,13 @@ class RpcServer:
         tcp: tuple[str, int] | None = None,
         token: str = "",
         spin_us: float = 0.0,
+        insecure: bool = False,
     ) -> None:
+        if tcp is not None and not token and not insecure:
+            raise ValueError(
+                f"a TCP RPC listener on {tcp[0]}:{tcp[1]} needs a token (pool config token) or "
+                "insecure: true to serve without authentication"
+            )
         self.dispatcher = dispatcher
         self.socket_path = socket_path
         self.tcp = tcp
@@ -112,7 +131,7 @@ class RpcServer:
         os.chmod(self.socket_path, 0o600)
         self._listeners.append(unix)
         if self.tcp is not None:
-            tcp = Listener(self.tcp, family="AF_INET", backlog=128, authkey=self.token)
+            tcp = Listener(self.tcp, family="AF_INET", backlog=128)  # token checked per connection
             self.tcp_port = tcp.address[1]
             self._listeners.append(tcp)
         for lst in self._listeners:
@@ -144,12 +163,15 @@ class RpcServer:
                 continue
             with self._lock:
                 self._conns.add(conn)
-            spin_s = self.spin_s if listener is self._listeners[0] else 0.0  # the Unix socket
-            self._spawn(self._serve, conn, spin_s, name="kvfabric-pool-conn")
+            unix = listener is self._listeners[0]
+            spin_s = self.spin_s if unix else 0.0
+            self._spawn(self._serve, conn, spin_s, not unix, name="kvfabric-pool-conn")
 
-    def _serve(self, conn: Connection, spin_s: float) -> None:
+    def _serve(self, conn: Connection, spin_s: float, tcp: bool = False) -> None:
         pid = _peer_pid(conn)
         try:
+            if tcp and self.token is not None and not _challenge(conn, self.token):
+                return
             while not self._stop.is_set():
                 try:
                     if spin_s and self.governor.allowed and self._spin_token.acquire(blocking=False):
@@ -212,6 +234,22 @@ class RpcServer:
                 os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+
+
+def _challenge(conn: Connection, token: bytes) -> bool:
+    """The token's HMAC challenge both ways, within ``AUTH_TIMEOUT_S``; False (logged) when
+    the peer failed it or said nothing."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            tv = struct.pack("ll", int(AUTH_TIMEOUT_S), 0)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)  # the fd stays blocking
+            deliver_challenge(conn, token)
+            answer_challenge(conn, token)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        return True
+    except (AuthenticationError, OSError, EOFError) as e:
+        log.warning("refused a pool connection: %s", e or type(e).__name__)  # e.g. wrong token
+        return False
 
 
 def _peer_pid(conn: Connection) -> int:

@@ -39,11 +39,23 @@ class Daemon:
 
     started: list[Daemon] = []
 
-    def __init__(self, tmp: Path, name: str = "t", dram: str = "64MiB", extra: dict | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str = "t",
+        dram: str = "64MiB",
+        extra: dict | None = None,
+        env: dict | None = None,
+        tag: str = "",
+    ) -> None:
+        """``env``: variables set for the daemon over this process's (e.g. its own
+        ``KVFABRIC_SHM_DIR``, a node of its own); ``tag``: names its files when several
+        daemons of one pool share ``tmp``."""
         self.tmp = Path(tmp)
-        self.socket = str(self.tmp / f"{name}.sock")
+        self.env = env or {}
+        self.socket = str(self.tmp / f"{name}{tag}.sock")
         self.name = name
-        self.cfg = self.tmp / f"{name}.yaml"
+        self.cfg = self.tmp / f"{name}{tag}.yaml"
         settings = {
             "name": name,
             "dram": dram,
@@ -57,15 +69,23 @@ class Daemon:
         self.ready: dict = {}
 
     def start(self, timeout: float = 60.0) -> Daemon:
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> Daemon:
+        """Start the process without waiting (``wait_ready`` then): several start at once."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfabric.cli", "pool", "serve", "--config", str(self.cfg)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=os.environ.copy(),
+            env={**os.environ, **self.env},
             preexec_fn=_die_with_parent,
         )
         Daemon.started.append(self)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> Daemon:
+        assert self.proc is not None and self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()

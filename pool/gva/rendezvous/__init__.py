@@ -27,8 +27,20 @@ STORES: Registry[type[KVStore]] = Registry(
 )
 
 
+def store_options(url: str, token: str = "", etcd_auth: Any = None) -> dict[str, Any]:
+    """The options ``connect`` takes for ``url``'s kind of store: the ``token`` of a
+    ``kvf://`` server (TCP; a Unix socket needs none), the ``auth`` (``etcd.EtcdAuth``) of
+    etcd."""
+    if url.startswith("kvf://"):
+        return {"token": token} if token else {}
+    if url.startswith("etcd://"):
+        return {"auth": etcd_auth} if etcd_auth is not None else {}
+    return {}
+
+
 def connect(url: str, **options: Any) -> KVStore:
-    """A new session with the store at ``url`` (see module docstring for schemes)."""
+    """A new session with the store at ``url`` (see module docstring for schemes).
+    ``options``: the store's keyword arguments (``store_options`` builds them)."""
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(f"rendezvous url {url!r} must look like kvf://HOST:PORT or etcd://HOST:PORT")
     scheme = url.split("://", 1)[0]
@@ -39,4 +51,4 @@ def connect(url: str, **options: Any) -> KVStore:
     return STORES.create(scheme, url, **options)
 
 
-__all__ = ["STORES", "Compacted", "KVStore", "KeyValue", "WatchEvent", "connect"]
+__all__ = ["STORES", "Compacted", "KVStore", "KeyValue", "WatchEvent", "connect", "store_options"]

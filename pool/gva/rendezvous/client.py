@@ -15,11 +15,17 @@ When the connection is lost the session is over: every pending and later call ra
 ephemeral keys are gone, so its owner must join again). A call whose reply does not come
 within its timeout raises ``ServiceUnavailable`` too, but the session is not lost by that
 (``session_lost`` stays False): the caller may retry.
+
+Authentication: a server with a token (TCP) sends a challenge in its ``hello`` reply; the
+client answers with HMAC-SHA256(``token``, challenge). A client without a token, or with
+the wrong one, gets ``ValueError`` naming the server from the constructor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import itertools
 import os
 import socket
@@ -60,7 +66,9 @@ class _Pending:
 class RendezvousClient(KVStore):
     """A session with a single-node rendezvous server (see module docstring)."""
 
-    def __init__(self, url: str, *, connect_timeout: float = 10.0, call_timeout: float = 30.0) -> None:
+    def __init__(
+        self, url: str, *, connect_timeout: float = 10.0, call_timeout: float = 30.0, token: str = ""
+    ) -> None:
         kind, where = parse_address(url)
         self.url = url
         self.call_timeout = float(call_timeout)
@@ -86,6 +94,17 @@ class RendezvousClient(KVStore):
         self._reader = threading.Thread(target=self._read_loop, name="kvfabric-rdv-reader", daemon=True)
         self._reader.start()
         hello = self._call("hello", os.getpid(), timeout=connect_timeout)
+        challenge = hello.get("challenge")
+        if challenge is not None:
+            if not token:
+                self.close()
+                raise ValueError(f"the rendezvous server at {url} requires a token (none given)")
+            digest = hmac.new(token.encode(), challenge, hashlib.sha256).digest()
+            try:
+                self._call("auth", digest, timeout=connect_timeout)
+            except (ValueError, ServiceUnavailable) as e:
+                self.close()
+                raise ValueError(f"the rendezvous server at {url} refused the token: {e}") from e
         self.session: int = int(hello["session"])
         self.ttl: float = float(hello["ttl"])
         self._heart = threading.Thread(target=self._heartbeat, name="kvfabric-rdv-heartbeat", daemon=True)

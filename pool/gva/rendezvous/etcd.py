@@ -16,6 +16,15 @@ needs nothing beyond the standard library. URL: ``etcd://HOST:PORT`` (the client
   stopped loses them when the lease expires.
 * ``watch`` opens a streaming watch from ``after + 1`` and returns the first batch of
   events (or none at the timeout); a compacted revision raises ``Compacted``.
+* Security (:class:`EtcdAuth`, passed as ``auth=``): a CA file turns the connection into
+  HTTPS checked against it, a client certificate and key are presented when given
+  (etcd's ``--client-cert-auth``), and a user and password are exchanged for an auth
+  token (``/v3/auth/authenticate``) sent with every request and renewed when etcd
+  refuses it as expired.
+* Leases for others (``grant`` / ``keepalive_once`` / ``revoke``) and ``create_if_absent``
+  (a transaction putting a key attached to a lease only while it does not exist) are the
+  primitives the pool's leader election (``kvfabric.pool.service.leader``) builds on;
+  they do not touch this session's own lease.
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import ssl
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvfabric.errors import KeyNotFound, ServiceUnavailable
@@ -39,6 +50,15 @@ from kvfabric.pool.gva.rendezvous.base import (
 )
 
 DEFAULT_LEASE_TTL = 10.0  # seconds: sized for a loaded 2-core box (see module docstring)
+
+
+class _AuthExpired(ServiceUnavailable):
+    """etcd refused the request's auth token (none, or expired): authenticate again."""
+
+
+def _auth_refusal(message: str) -> bool:
+    """etcd's answer to a request without a valid auth token."""
+    return "invalid auth token" in message or "user name is empty" in message
 
 
 def _b64(data: bytes | str) -> str:
@@ -59,10 +79,50 @@ def _prefix_end(prefix: str) -> str:
     return _b64(bytes(raw))
 
 
+@dataclass(frozen=True)
+class EtcdAuth:
+    """How to reach a secured etcd: ``ca`` (PEM file: use HTTPS and check etcd's
+    certificate against it), ``cert`` / ``key`` (PEM files of a client certificate),
+    ``user`` / ``password`` (etcd's role-based auth). All empty: plain HTTP, no auth."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("etcd auth: cert and key go together (a client certificate and its key)")
+        if bool(self.user) != bool(self.password):
+            raise ValueError("etcd auth: user and password go together")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ca or self.cert)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS context of a connection to etcd (``ValueError`` naming a bad file)."""
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca or None)
+            if self.cert:
+                ctx.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"etcd auth: cannot load ca={self.ca!r} cert={self.cert!r}: {e}") from e
+        return ctx
+
+
 class EtcdStore(KVStore):
     """A rendezvous session on an etcd cluster (see module docstring)."""
 
-    def __init__(self, url: str, *, ttl: float = DEFAULT_LEASE_TTL, call_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl: float = DEFAULT_LEASE_TTL,
+        call_timeout: float = 10.0,
+        auth: EtcdAuth | None = None,
+    ) -> None:
         if not url.startswith("etcd://"):
             raise ValueError(f"etcd address {url!r} must be etcd://HOST:PORT")
         host, _, port = url[len("etcd://") :].rstrip("/").rpartition(":")
@@ -73,6 +133,10 @@ class EtcdStore(KVStore):
         self.url, self.host, self.port = url, host, int(port)
         self.ttl = float(ttl)
         self.call_timeout = float(call_timeout)
+        self.auth = auth or EtcdAuth()
+        self._ssl = self.auth.ssl_context() if self.auth.tls else None
+        self._auth_token = ""
+        self._auth_lock = threading.Lock()
         self._local = threading.local()
         self._lease: int | None = None
         self._lease_lock = threading.Lock()
@@ -80,23 +144,57 @@ class EtcdStore(KVStore):
         self._closed = False
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
+        if self.auth.user:
+            self._authenticate()
         self._post("/v3/maintenance/status", {})  # fail now if nothing answers
 
     # ------------------------------------------------------------------ HTTP
+    def _new_conn(self, timeout: float | None = None) -> http.client.HTTPConnection:
+        t = self.call_timeout if timeout is None else timeout
+        if self._ssl is not None:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=t, context=self._ssl)
+        return http.client.HTTPConnection(self.host, self.port, timeout=t)
+
     def _conn(self) -> http.client.HTTPConnection:
         c = getattr(self._local, "conn", None)
         if c is None:
-            c = http.client.HTTPConnection(self.host, self.port, timeout=self.call_timeout)
+            c = self._new_conn()
             self._local.conn = c
         return c
 
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self._auth_token:
+            h["Authorization"] = self._auth_token
+        return h
+
+    def _authenticate(self) -> None:
+        """Exchange the user and password for an auth token (sent with every request)."""
+        with self._auth_lock:
+            self._auth_token = ""
+            r = self._request(
+                "/v3/auth/authenticate", {"name": self.auth.user, "password": self.auth.password}
+            )
+            self._auth_token = str(r.get("token", ""))
+            if not self._auth_token:
+                raise ServiceUnavailable(f"etcd at {self.url}: authentication of {self.auth.user!r} failed")
+
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self._check_session()
+        try:
+            return self._request(path, body)
+        except _AuthExpired:
+            if not self.auth.user:
+                raise ServiceUnavailable(f"etcd at {self.url}: {path} needs authentication (user)") from None
+            self._authenticate()
+            return self._request(path, body)
+
+    def _request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps(body)
         for attempt in (0, 1):
             c = self._conn()
             try:
-                c.request("POST", path, data, {"Content-Type": "application/json"})
+                c.request("POST", path, data, self._headers())
                 resp = c.getresponse()
                 raw = resp.read()
             except (OSError, http.client.HTTPException) as e:
@@ -107,9 +205,58 @@ class EtcdStore(KVStore):
                 continue
             out = json.loads(raw or b"{}")
             if resp.status != 200:
+                msg = str(out.get("message") or out.get("error") or out)
+                if resp.status == 401 or _auth_refusal(msg):
+                    raise _AuthExpired(msg)
                 raise ServiceUnavailable(f"etcd at {self.url}: {path} answered {resp.status}: {out}")
             return out
         raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ leases for others
+    def grant(self, ttl: int) -> int:
+        """A new lease of ``ttl`` seconds (not this session's own); its id."""
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
+            raise ValueError(f"etcd lease ttl must be an int >= 1 s, got {ttl!r}")
+        return int(self._post("/v3/lease/grant", {"TTL": ttl})["ID"])
+
+    def keepalive_once(self, lease: int) -> int:
+        """Renew ``lease`` once; the TTL etcd granted from now (0: the lease is gone)."""
+        r = self._post("/v3/lease/keepalive", {"ID": str(lease)})
+        return int(r.get("result", {}).get("TTL", 0) or 0)
+
+    def revoke(self, lease: int) -> None:
+        """End ``lease`` now: the keys attached to it are deleted."""
+        self._post("/v3/lease/revoke", {"ID": str(lease)})
+
+    def create_if_absent(self, key: str, value: bytes, lease: int) -> tuple[bool, KeyValue | None, int]:
+        """Put ``key`` attached to ``lease`` only if it does not exist (one transaction):
+        ``(created, the key as it is now, store revision)``."""
+        k = _b64(check_key(key))
+        cmp = {"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        put = {"request_put": {"key": k, "value": _b64(check_value(value)), "lease": str(lease)}}
+        r = self._post(
+            "/v3/kv/txn", {"compare": [cmp], "success": [put], "failure": [{"request_range": {"key": k}}]}
+        )
+        rev = int(r["header"]["revision"])
+        if r.get("succeeded"):
+            return True, KeyValue(key, value, rev), rev
+        kvs = r.get("responses", [{}])[0].get("response_range", {}).get("kvs", [])
+        if not kvs:
+            return False, None, rev
+        kv = kvs[0]
+        return False, KeyValue(key, _unb64(kv.get("value")), int(kv["mod_revision"])), rev
+
+    def delete_if(self, key: str, value: bytes) -> bool:
+        """Delete ``key`` only while it holds ``value`` (one transaction)."""
+        k = _b64(check_key(key))
+        cmp = {"key": k, "result": "EQUAL", "target": "VALUE", "value": _b64(check_value(value))}
+        r = self._post("/v3/kv/txn", {"compare": [cmp], "success": [{"request_delete_range": {"key": k}}]})
+        return bool(r.get("succeeded"))
+
+    def watch_key(self, key: str, after: int, timeout: float | None) -> tuple[list[WatchEvent], int]:
+        """Events of exactly ``key`` after revision ``after`` (the first batch, or none by
+        ``timeout``)."""
+        return self._watch(check_key(key), int(after), timeout, prefix=False)
 
     # ------------------------------------------------------------------ lease (ephemeral keys)
     def _lease_id(self) -> int:
@@ -260,10 +407,10 @@ class EtcdStore(KVStore):
         if prefix:
             req["range_end"] = _prefix_end(key)
         deadline = None if timeout is None else time.monotonic() + timeout
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.call_timeout)
+        conn = self._new_conn()
         rev = after
         try:
-            conn.request("POST", "/v3/watch", json.dumps({"create_request": req}))
+            conn.request("POST", "/v3/watch", json.dumps({"create_request": req}), self._headers())
             resp = conn.getresponse()
             if resp.status != 200:
                 raise ServiceUnavailable(f"etcd at {self.url}: watch answered {resp.status}")

@@ -13,6 +13,15 @@ process cannot show it is alive: ``liveness.py`` holds that judgement (probe aft
 ``session_ttl``, look at the peer process after ``probe_grace``, give up after
 ``max_silence``, and never count the server's own stalls as a peer's silence); this
 module runs it on every tick and sends the probes and closes the sessions it ends.
+
+Listeners and authentication: TCP (``host``/``port``), a Unix socket (``unix_path``,
+created mode 0600), or both at once over one store (the pool daemon of a node that serves
+other nodes: its own node's clients come through the Unix socket, other nodes' through
+TCP). With a ``token`` a TCP session must prove it knows it before anything but
+``hello``, ``auth`` and keep-alives is served: the ``hello`` reply carries a random
+challenge, the client answers ``auth`` with HMAC-SHA256(token, challenge) (the secret never
+crosses the wire), and a wrong answer ends the session. Unix-socket sessions are trusted
+by the socket file's mode, as the pool's RPC socket is.
 """
 
 from __future__ import annotations
@@ -20,6 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+import hashlib
+import hmac
 import logging
 import os
 import threading
@@ -61,8 +73,16 @@ class RendezvousServer:
         probe_grace: float | None = None,
         max_silence: float | None = None,
         history: int = 65536,
+        token: str = "",
+        tcp: bool | None = None,
     ) -> None:
+        """``tcp``: listen on ``host``:``port`` too (default: only when no ``unix_path``)."""
         self.host, self.port, self.unix_path = host, int(port), unix_path
+        self.tcp = unix_path is None if tcp is None else bool(tcp)
+        if not self.tcp and unix_path is None:
+            raise ValueError("RendezvousServer: tcp=False needs a unix_path")
+        self._token = token.encode()
+        self._challenges: dict[int, bytes] = {}  # TCP session -> challenge, until it authenticates
         self.rules = SilenceRules(session_ttl, probe_grace, max_silence)
         self.session_ttl = self.rules.session_ttl
         self.probe_grace = self.rules.probe_grace
@@ -74,6 +94,7 @@ class RendezvousServer:
         self._next_sid = 1
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
+        self._servers: list[asyncio.AbstractServer] = []
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -81,8 +102,15 @@ class RendezvousServer:
 
     @property
     def url(self) -> str:
+        """The Unix socket's url when there is one, else the TCP one."""
         if self.unix_path:
             return f"kvf+unix://{self.unix_path}"
+        return self.tcp_url
+
+    @property
+    def tcp_url(self) -> str:
+        if not self.tcp:
+            raise ValueError("this rendezvous server does not listen on TCP")
         return f"kvf://{self.host}:{self.port}"
 
     # ------------------------------------------------------------------ lifecycle
@@ -119,15 +147,25 @@ class RendezvousServer:
         if self.unix_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.unix_path)
-            self._server = await asyncio.start_unix_server(self._serve, path=self.unix_path)
-        else:
-            self._server = await asyncio.start_server(self._serve, self.host, self.port)
-            self.port = self._server.sockets[0].getsockname()[1]
+            old = os.umask(0o177)
+            try:
+                unix = await asyncio.start_unix_server(
+                    functools.partial(self._serve, remote=False), path=self.unix_path
+                )
+            finally:
+                os.umask(old)
+            self._servers.append(unix)
+        if self.tcp:
+            serve = functools.partial(self._serve, remote=True)
+            srv = await asyncio.start_server(serve, self.host, self.port)
+            self.port = srv.sockets[0].getsockname()[1]
+            self._servers.append(srv)
+        self._server = self._servers[0]
         asyncio.get_running_loop().create_task(self._expire_sessions())
 
     async def _shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for srv in self._servers:
+            srv.close()
         for s in list(self._sessions.values()):
             s.writer.close()
         for _, _, fut in self._waiters:
@@ -193,14 +231,19 @@ class RendezvousServer:
             return
         for t in s.tasks:
             t.cancel()
+        self._challenges.pop(s.id, None)
         n = self.state.drop_session(s.id)
         if n:
             log.info("rendezvous session %d ended: %d ephemeral key(s) deleted", s.id, n)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, remote: bool = True
+    ) -> None:
         s = _Session(self._next_sid, writer)
         self._next_sid += 1
         self._sessions[s.id] = s
+        if remote and self._token:
+            self._challenges[s.id] = os.urandom(32)
         try:
             while True:
                 head = await reader.readexactly(HEADER.size)
@@ -228,6 +271,14 @@ class RendezvousServer:
         rid, op, args = msg[0], msg[1], msg[2:]
         if op == BEAT_OP:  # a keep-alive: the frame itself was the point, nothing to answer
             return
+        if s.id in self._challenges and op not in ("hello", "auth"):
+            self._reply(s, rid, False, ["ValueError", "rendezvous: authenticate first (auth with the token)"])
+            s.writer.close()
+            self._end_session(s)
+            return
+        if op == "auth":
+            self._auth(s, rid, args)
+            return
         blocking = self._BLOCKING.get(op)
         if blocking is not None:
             task = asyncio.get_running_loop().create_task(
@@ -253,6 +304,23 @@ class RendezvousServer:
         else:
             self._reply(s, rid, True, result)
 
+    def _auth(self, s: _Session, rid: int, a: list[Any]) -> None:
+        """``auth(digest)``: HMAC-SHA256(token, challenge) ends the challenge; anything else
+        ends the session."""
+        challenge = self._challenges.get(s.id)
+        if challenge is None:
+            self._reply(s, rid, True, None)  # nothing asked (a Unix socket, or no token)
+            return
+        want = hmac.new(self._token, challenge, hashlib.sha256).digest()
+        if a and isinstance(a[0], bytes) and hmac.compare_digest(a[0], want):
+            del self._challenges[s.id]
+            self._reply(s, rid, True, None)
+            return
+        log.warning("rendezvous session %d refused: wrong token", s.id)
+        self._reply(s, rid, False, ["ValueError", "rendezvous: wrong token"])
+        s.writer.close()
+        self._end_session(s)
+
     def _call(self, s: _Session, op: str, a: list[Any]) -> Any:
         st = self.state
         if op == "ping":
@@ -260,7 +328,10 @@ class RendezvousServer:
         if op == "hello":
             if a and isinstance(a[0], int) and not isinstance(a[0], bool):
                 s.claimed_pid = a[0]  # believed only once checked against /proc (peer.py)
-            return {"session": s.id, "ttl": self.session_ttl, "probe_grace": self.probe_grace}
+            out = {"session": s.id, "ttl": self.session_ttl, "probe_grace": self.probe_grace}
+            if s.id in self._challenges:
+                out["challenge"] = self._challenges[s.id]
+            return out
         if op == "set":
             return st.set(check_key(a[0]), check_value(a[1]), s.id if a[2] else None)
         if op == "try_get":
