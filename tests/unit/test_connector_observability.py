@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from kvfabric.harness.engine import kvfabric_transfer_config, vllm_problem
 from kvfabric.ucm_layer.connector import tracing
 from kvfabric.ucm_layer.connector.config import ConnectorConfig
 from kvfabric.ucm_layer.connector.events import StoredBlocks, StoredRun, event_tier
+from kvfabric.ucm_layer.connector.plan import StepPlan
 from kvfabric.ucm_layer.connector.worker import WorkerSide
 
 pytestmark = pytest.mark.skipif(bool(vllm_problem()), reason=vllm_problem() or "")
@@ -284,3 +286,35 @@ def test_stored_blocks_wait_for_every_rank_and_cut_runs():
 def test_event_tier_names_the_tier_a_dump_speaks_for(store, write, medium, owner):
     t = event_tier(store, write)
     assert (t.medium, t.ownership) == (medium, owner)
+
+
+@dataclass(frozen=True)
+class _State:
+    """What the sparse runtime's request state gives the clock: its id and first block."""
+
+    rid: str
+    first_block: int
+
+
+def test_a_finished_requests_sparse_selection_is_a_child_of_its_root(plat, tmp_path, exporter):
+    from kvfabric.ucm_layer.sparse.vllm import timing
+
+    w = _worker(plat, tmp_path)  # tracing on: the worker turned the selection clock on
+    clock = timing.clock
+    assert clock is not None
+    root = tracing.Tracer(None).start(tracing.ROOT, time.time_ns(), req_id="r")
+    clock.step("gsa", [(0, _State("vllm-0", 7)), (1, _State("vllm-1", 9))])
+    for _ in range(3):  # three layers select for both rows; each row gets half of each
+        t0 = timing.now()
+        time.sleep(0.002)
+        clock.selected([0, 1], t0, timing.now())
+    plan = StepPlan(traces={"r": tracing.traceparent(root)}, first_blocks={"r": 7})
+    w.wait_for_save(pickle.loads(pickle.dumps(plan)))
+    root.end(end_time=time.time_ns())
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == tracing.SPARSE]
+    assert span.parent.span_id == root.context.span_id and span.context.trace_id == root.context.trace_id
+    assert root.start_time < span.start_time < span.end_time < root.end_time
+    assert span.attributes["sparse_algorithm"] == "gsa" and span.attributes["sparse_layer_steps"] == 3
+    assert 0.003 <= span.attributes["selection_s"] <= (span.end_time - span.start_time) / 1e9
+    assert clock.take(7) is None and clock.take(9) is not None  # taken once; the other stays
+    w.close()

@@ -69,7 +69,6 @@ Not thread-safe beyond what vLLM does (one thread per worker).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -187,6 +186,10 @@ class WorkerSide:
         self._load_tiers: dict[tuple[str, int], str] = {}  # async load -> tier at issue
         self._layer_batch: _DumpBatch | None = None
         self._noted: StepPlan | None = None
+        if self.tracer.enabled:  # the sparse backend of this process times its selections
+            from kvfabric.ucm_layer.sparse.vllm import timing
+
+            timing.enable()
         if cfg.sparse:
             log.info(
                 "kvfabric: sparse attention %r runs in kvfabric's attention backend "
@@ -631,27 +634,27 @@ class WorkerSide:
         return out
 
     def _sparse_spans(self, plan: StepPlan) -> None:
-        """A ``kvfabric.sparse`` span for each finished request the sparse backend of this
-        process selected blocks for (tracing on)."""
-        runtime = sys.modules.get("kvfabric.ucm_layer.sparse.vllm.runtime")
-        if runtime is None:  # no sparse backend in this process
+        """A ``kvfabric.sparse`` span for each finished request kvfabric's sparse backend
+        selected blocks for in this process (tracing on; ``sparse/vllm/timing.py``)."""
+        from kvfabric.ucm_layer.sparse.vllm import timing
+
+        clock = timing.clock
+        if clock is None:
             return
         for r, first in plan.first_blocks.items():
-            for rt in runtime.runtimes():
-                sel = rt.request_selection(first)
-                if sel is None:
-                    continue
-                self.tracer.record(
-                    tracing.SPARSE,
-                    sel.first_ns,
-                    sel.last_ns,
-                    plan.traces.get(r) or self._traces.get(r),
-                    req_id=r,
-                    sparse_algorithm=sel.algorithm,
-                    selection_s=sel.selection_s,
-                    sparse_layer_steps=sel.sparse_layer_steps,
-                )
-                break
+            sel = clock.take(first)
+            if sel is None:
+                continue
+            self.tracer.record(
+                tracing.SPARSE,
+                sel.first_ns,
+                sel.last_ns,
+                plan.traces.get(r) or self._traces.get(r),
+                req_id=r,
+                sparse_algorithm=sel.algorithm,
+                selection_s=sel.selection_s,
+                sparse_layer_steps=sel.sparse_layer_steps,
+            )
 
     def _save_failed(self, n: int, why: str) -> None:
         self.stats.add(save_failed_blocks=n)

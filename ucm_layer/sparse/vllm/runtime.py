@@ -53,6 +53,7 @@ from kvfabric.ucm_layer.sparse.base import (
     UcmSparseBase,
     create,
 )
+from kvfabric.ucm_layer.sparse.vllm import timing
 from kvfabric.ucm_layer.sparse.vllm.config import SparseBackendConfig
 
 if TYPE_CHECKING:
@@ -174,6 +175,8 @@ class SparseRuntime:
             st = self._by_block.pop(blk)
             self.plugin.request_finished(st.rid)
         picked = sorted(chosen.values(), key=lambda x: x[0])
+        if timing.clock is not None:  # selection times for the connector's spans
+            timing.clock.step(str(self.config.algorithm), picked)
         rows = [i for i, _ in picked]
         tables, lens, seq_list, nnew, rids = [], [], [], [], []
         for i, st in picked:
@@ -235,6 +238,7 @@ class SparseRuntime:
         """``attention_begin`` with the step's ``tokens`` (query, key, value of every vLLM
         row); the sparse rows' ``(H, k)`` physical blocks and lengths, by vLLM row."""
         self._last_layer = max(self._last_layer, layer)
+        t0 = timing.now() if timing.clock is not None else 0
         q, k, v = plan.tokens = tuple(self._subset(plan, x) for x in tokens)
         self.plugin.attention_begin(layer, q, k, v, kv, plan.attn, plan.meta)
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -250,6 +254,8 @@ class SparseRuntime:
             self.stats.blocks_total += -(-saved[2] // bs)
         counters.sparse += len(out)
         counters.dense += plan.decode_rows - len(out)
+        if timing.clock is not None:
+            timing.clock.selected(list(out), t0, timing.now())
         return out
 
     def layer_end(self, plan: StepPlan, layer: int, output: torch.Tensor, kv: LayerKV) -> None:
