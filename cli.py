@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvfabric.pool.cli import add_parser as add_pool_parser
 
     add_pool_parser(sub)
+    from kvfabric.simulate.cli import add_parser as add_sim_parser
+
+    add_sim_parser(sub)
     s = sub.add_parser("shm", help="list or sweep kvfabric shared-memory segments")
     s.add_argument("action", choices=("list", "sweep"), nargs="?", default="list")
     s.set_defaults(fn=cmd_shm)

@@ -1,0 +1,142 @@
+"""``kvfabric sim calibrate``: a :class:`~kvfabric.simulate.config.Calibration` from bench rows.
+
+Contract: :func:`calibrate` reads the JSON rows of ``kvfabric bench ... --json`` runs and
+takes each figure from the rows that measure it; ``overrides`` (``key=value``) fill in
+or replace figures (another machine's, or one no bench here measures); a figure that is
+required and neither measured nor given is an error naming it and the bench that
+measures it.
+
+* ``bench e2e`` ``ttft`` rows: prefill. Cold TTFT at each prompt length is fitted as
+  ``base + n / tokens_per_s + attn * n^2 / 2`` (:func:`fit_prefill`, least squares with
+  the terms kept non-negative); the warm-through-kvfabric TTFT of the same prompt less
+  the prefill of the tokens it did not load is the load time of ``loaded_blocks``
+  blocks, whose bytes the ``delegator`` rows of the run give (``nbytes`` of the
+  ``smollm2-cpu-pages`` layout over its 64 blocks): ``dram_load_gbps``.
+* ``bench store`` rows of ``store: posix``, ``op: load``: ``ssd_load_gbps`` (the median).
+* ``bench rpc`` rows: ``lookup_rpc_s`` from the smallest ``rpc_p50_us_spin``.
+
+``decode_tokens_per_s`` is measured by no bench here: give it (``kvfabric sim validate``
+measures it on the CPU engine and writes a whole calibration).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvfabric.simulate.config import Calibration, load_calibration
+
+E2E_LAYOUT = "smollm2-cpu-pages"
+E2E_DUMP_BLOCKS = 64  #: blocks per delegator row of bench e2e (bench/e2e.py DUMP_BLOCKS)
+
+
+def read_rows(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+    """Every JSON object line of the files (other lines, e.g. log text, are skipped)."""
+    rows = []
+    for p in paths:
+        with open(p) as f:
+            for line in f:
+                line = line.strip()
+                if line.startswith("{"):
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(obj, dict):
+                        rows.append(obj)
+    return rows
+
+
+def fit_prefill(points: Sequence[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """``(base_s, tokens_per_s, attn_s)`` fitting ``seconds = base + n / tps + attn * n *
+    (c + n / 2)`` to ``(new tokens n, cached tokens c, seconds)`` points; a term the fit
+    makes negative is dropped and the rest refitted."""
+    if len(points) < 2:
+        raise ValueError(f"fitting prefill needs at least 2 (tokens, seconds) points, got {len(points)}")
+    a = np.array([[1.0, n, n * (c + n / 2)] for n, c, _ in points])
+    y = np.array([t for _, _, t in points])
+    keep = [0, 1, 2]
+    while True:
+        coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        neg = [k for k, v in zip(keep, coef) if v < 0 and k != 1]
+        if not neg:
+            break
+        keep.remove(neg[0])
+    full = dict.fromkeys(range(3), 0.0)
+    full.update(dict(zip(keep, (float(v) for v in coef))))
+    if full[1] <= 0:
+        raise ValueError(f"prefill time does not grow with prompt length in these points: {list(points)}")
+    return full[0], 1.0 / full[1], full[2]
+
+
+def load_gbps(nbytes: float, seconds: float) -> float:
+    """GB/s of a load of ``nbytes`` that took ``seconds`` (refused when not positive)."""
+    if seconds <= 0 or nbytes <= 0:
+        raise ValueError(
+            f"a load of {nbytes:.0f} B in {seconds:.4f} s: warm TTFT is not above the fitted prefill; "
+            "the machine was too noisy to measure the load"
+        )
+    return nbytes / seconds / 1e9
+
+
+def calibrate(rows: Sequence[Mapping[str, Any]], overrides: Iterable[str] = ()) -> Calibration:
+    """A calibration from bench rows and ``key=value`` overrides (module docstring)."""
+    found: dict[str, Any] = {}
+    sources: list[str] = []
+    ttft = [r for r in rows if r.get("case") == "ttft" and "ttft_cold_s" in r]
+    if ttft:
+        pts = [(int(r["prompt_tokens"]), 0, float(r["ttft_cold_s"])) for r in ttft]
+        base, tps, attn = fit_prefill(pts)
+        found.update(prefill_base_s=base, prefill_tokens_per_s=tps, prefill_attn_s=attn)
+        sources.append(f"bench e2e ttft rows ({len(ttft)} lengths)")
+        lay = [r for r in rows if r.get("case") == "delegator" and r.get("layout") == E2E_LAYOUT]
+        if lay:
+            block_bytes = int(lay[0]["nbytes"]) // E2E_DUMP_BLOCKS
+            cal0 = Calibration(prefill_tokens_per_s=tps, decode_tokens_per_s=1, dram_load_gbps=1,
+                               prefill_base_s=base, prefill_attn_s=attn)  # fmt: skip
+            gbps = []
+            for r in ttft:
+                blocks = int(r.get("loaded_blocks", 0))
+                if blocks:
+                    cached = blocks * _block_tokens(r)
+                    rest = int(r["prompt_tokens"]) - cached
+                    t_load = float(r["ttft_kvfabric_s"]) - cal0.prefill_s(rest, cached)
+                    gbps.append(load_gbps(blocks * block_bytes, t_load))
+            if gbps:
+                found["dram_load_gbps"] = statistics.median(gbps)
+    posix = [
+        float(r["gbps"]) for r in rows if r.get("store") == "posix" and r.get("op") == "load" and "gbps" in r
+    ]
+    if posix:
+        found["ssd_load_gbps"] = statistics.median(posix)
+        sources.append(f"bench store posix loads ({len(posix)} rows)")
+    rpc = [float(r["rpc_p50_us_spin"]) for r in rows if "rpc_p50_us_spin" in r]
+    if rpc:
+        found["lookup_rpc_s"] = min(rpc) * 1e-6
+        sources.append("bench rpc")
+    over = list(overrides)
+    if over:
+        sources.append("given: " + ", ".join(o.partition("=")[0] for o in over))
+    found["source"] = "; ".join(sources)
+    missing = {
+        "prefill_tokens_per_s": "bench e2e",
+        "dram_load_gbps": "bench e2e (its ttft and delegator rows)",
+        "decode_tokens_per_s": "no bench here; give it as decode_tokens_per_s=N",
+    }
+    given = {o.partition("=")[0].strip() for o in over}
+    for key, where in missing.items():
+        if key not in found and key not in given:
+            raise ValueError(f"sim calibration {key} is neither in the rows nor given (from: {where})")
+    return load_calibration(data=found, flags=over)
+
+
+def _block_tokens(row: Mapping[str, Any]) -> int:
+    return int(row.get("block_tokens", 32))  # bench e2e's engines use 32-token blocks
+
+
+__all__ = ["calibrate", "fit_prefill", "load_gbps", "read_rows"]
