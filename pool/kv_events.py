@@ -220,18 +220,32 @@ class BlockSet:
 
 
 class Subscriber:
-    """A SUB socket on a publisher (the pool daemon's or a vLLM engine's), with gap repair.
+    """A SUB socket on a publisher (the pool daemon's or a vLLM engine's), with repair.
 
-    ``poll(timeout_s)`` receives what has arrived and returns the batches in sequence order
-    as ``(seq, batch)``; when a batch's sequence number is past the next expected one (a
-    subscriber that joined late, or messages the PUB socket dropped), it first asks the
-    replay endpoint for everything from the next expected number (from 0 before the first
-    batch) and returns those in order, skipping what it already had. ``gaps`` counts the
-    repairs, ``missing`` the numbers neither the stream nor the replay had (lost for good:
-    rebuild from the directory). ``decoder``: how a payload becomes a batch (this module's
-    :func:`decode_batch` by default; a test passes vLLM's). ``drop``: a test hook, called
-    with each live sequence number; True discards that message as if the network had.
-    One thread uses a subscriber; ``close()`` closes its sockets."""
+    ``poll(timeout_s)`` receives what has arrived and returns the batches to apply, in
+    sequence order, as ``(seq, batch)``. It resyncs from the replay endpoint (everything it
+    buffers, from sequence 0 on) whenever the stream cannot be trusted as it is:
+
+    * a gap: a batch past the next expected number (a subscriber that joined late, messages
+      ZMQ dropped for a slow subscriber);
+    * a (re)connection (a ZMQ handshake: the first connection, or the publisher back after
+      a restart or a network cut), so a subscriber catches up without waiting for traffic;
+    * a live number not above the last live one: live numbers only grow within one
+      publisher start.
+
+    A publisher start is told apart by batch 0 (its snapshot, which begins with
+    ``AllBlocksCleared``): when the replay's batch 0 is not the one this subscriber knows
+    (its ``ts``), the publisher restarted, and the subscriber applies the new stream from 0
+    (``restarts``); otherwise it applies what it lacks. ``gaps`` counts resyncs for gaps,
+    ``missing`` the numbers neither the stream nor the replay had (the buffer had moved on:
+    lost for good; rebuild from the directory, ``/keys``). Left open: a publisher whose
+    buffer no longer holds batch 0 and that restarts while this subscriber is connected
+    and hears none of the new stream's first batches is taken for the old one.
+
+    ``decoder``: how a payload becomes a batch (this module's :func:`decode_batch` by
+    default; a test passes vLLM's). ``drop``: a test hook, called with each live sequence
+    number; True discards that message as if the network had. One thread uses a
+    subscriber; ``close()`` closes its sockets."""
 
     def __init__(
         self,
@@ -247,6 +261,7 @@ class Subscriber:
         self.ctx = zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
         self.decode = decoder or decode_batch
@@ -255,55 +270,96 @@ class Subscriber:
         self.gaps = 0
         self.missing = 0
         self.received = 0
+        self.restarts = 0
+        self.connects = 0
+        self._last_live = -1
+        self._epoch: float | None = None  # ts of batch 0 of the publisher followed
 
     def poll(self, timeout_s: float = 0.0) -> list[tuple[int, Any]]:
         zmq = self._zmq
         out: list[tuple[int, Any]] = []
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         wait_ms = int(timeout_s * 1000)
-        while self.sub.poll(wait_ms, zmq.POLLIN):
+        while True:
+            ready = dict(poller.poll(wait_ms))
+            if not ready:
+                return out
             wait_ms = 0
+            if self._monitor in ready:
+                while self._monitor.poll(0, zmq.POLLIN):
+                    self._monitor.recv_multipart()
+                    self.connects += 1
+                out.extend(self._resync())
+            if self.sub in ready:
+                out.extend(self._live())
+
+    def _live(self) -> list[tuple[int, Any]]:
+        """Every message waiting on the SUB socket."""
+        zmq = self._zmq
+        out: list[tuple[int, Any]] = []
+        while self.sub.poll(0, zmq.POLLIN):
             _topic, seq_b, payload = self.sub.recv_multipart()
             seq = int.from_bytes(seq_b, "big")
             if self.drop is not None and self.drop(seq):
                 continue
             self.received += 1
+            restarted = seq <= self._last_live
+            self._last_live = seq
+            if seq != self.next_seq and (seq > self.next_seq or restarted):
+                if not restarted:
+                    self.gaps += 1
+                out.extend(self._resync())
             if seq < self.next_seq:
-                continue  # already had it (from a replay)
+                continue  # had it (from the replay)
             if seq > self.next_seq:
-                self.gaps += 1
-                out.extend(self._replay(self.next_seq, seq))
-                if seq < self.next_seq:
-                    continue
                 self.missing += seq - self.next_seq
-            out.append((seq, self.decode(payload)))
-            self.next_seq = seq + 1
+            out.append(self._take(seq, payload))
         return out
 
-    def _replay(self, start: int, until: int) -> list[tuple[int, Any]]:
-        """Batches ``start..`` from the replay endpoint (those below ``until`` are the gap)."""
+    def _take(self, seq: int, payload: bytes) -> tuple[int, Any]:
+        batch = self.decode(payload)
+        if seq == 0:
+            self._epoch = batch.ts
+        self.next_seq = seq + 1
+        return seq, batch
+
+    def _resync(self) -> list[tuple[int, Any]]:
+        """What the replay endpoint has that this subscriber lacks (see the class docstring)."""
+        frames = self._replay()
+        if frames and frames[0][0] == 0:
+            first = self.decode(frames[0][1])
+            if self.next_seq > 0 and first.ts != self._epoch:
+                self.restarts += 1  # a new publisher: its stream from 0
+                self.next_seq = 0
+        out = []
+        for seq, payload in frames:
+            if seq < self.next_seq:
+                continue
+            if seq > self.next_seq:
+                self.missing += seq - self.next_seq  # the buffer no longer has those
+            out.append(self._take(seq, payload))
+        return out
+
+    def _replay(self) -> list[tuple[int, bytes]]:
+        """Every batch the replay endpoint buffers, as ``(seq, payload)`` (none without one)."""
         if self.replay_endpoint is None:
             return []
         zmq = self._zmq
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        out: list[tuple[int, Any]] = []
+        out: list[tuple[int, bytes]] = []
         try:
             sock.connect(self.replay_endpoint)
-            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
             while True:
                 if not sock.poll(5000, zmq.POLLIN):
                     raise TimeoutError(f"replay endpoint {self.replay_endpoint} did not answer in 5 s")
-                frames = sock.recv_multipart()
-                _empty, _topic, seq_b, payload = frames
+                _empty, _topic, seq_b, payload = sock.recv_multipart()
                 if seq_b == END_SEQ:
                     return out
-                seq = int.from_bytes(seq_b, "big")
-                if seq != self.next_seq:
-                    if seq < self.next_seq:
-                        continue
-                    self.missing += seq - self.next_seq  # the buffer no longer has those
-                out.append((seq, self.decode(payload)))
-                self.next_seq = seq + 1
+                out.append((int.from_bytes(seq_b, "big"), payload))
         finally:
             sock.close()
 
@@ -316,14 +372,16 @@ class Subscriber:
 
     def catch_up(self, until_seq: int, blocks: BlockSet, timeout_s: float = 10.0) -> None:
         """Follow until batch ``until_seq`` has been applied (``TimeoutError`` after
-        ``timeout_s``); when nothing arrives, ask the replay endpoint directly."""
+        ``timeout_s``); when nothing arrives, resync from the replay endpoint."""
         deadline = time.monotonic() + timeout_s
         while self.next_seq <= until_seq:
-            if not self.follow(blocks, 0.05) and self.replay_endpoint is not None:
-                for _, batch in self._replay(self.next_seq, until_seq + 1):
+            if not self.follow(blocks, 0.05):
+                for _, batch in self._resync():
                     blocks.apply(batch)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"batch {until_seq} not seen in {timeout_s} s (next {self.next_seq})")
 
     def close(self) -> None:
+        self.sub.disable_monitor()
+        self._monitor.close(linger=0)
         self.sub.close(linger=0)

@@ -76,7 +76,7 @@ class EventQueue:
     under its dispatcher's lock); each appends one item and never blocks on anything but
     the queue's own lock. The lists passed in are kept: the caller must not change them
     afterwards. ``take`` (the publisher thread) empties the queue and returns its items;
-    ``reset`` (the publisher, under the service lock) empties it for a snapshot."""
+    ``restart`` (the publisher, under the service lock) replaces it with a snapshot."""
 
     def __init__(self, limit: int, wake_fd: int = -1) -> None:
         self.limit = limit
@@ -123,11 +123,14 @@ class EventQueue:
             items, self._items, self._pending = list(self._items), deque(), 0
         return items
 
-    def reset(self) -> None:
+    def restart(self, items: list[tuple[int, list[bytes], list[int]]]) -> None:
+        """Replace what waits with ``items`` (a snapshot: taken under the service lock, so
+        nothing queued before it is needed) and clear ``lost``."""
         with self._lock:
-            self._items.clear()
-            self._pending = 0
+            self._items = deque(items)
+            self._pending = sum(len(keys) for _, keys, _ in items)
             self.lost = False
+        self._wake()
 
 
 def readable_objects(view: TableView) -> tuple[list[bytes], list[int]]:
@@ -156,14 +159,16 @@ def _bindable(endpoint: str) -> str:
 class KvEventPublisher:
     """The ZMQ publisher of one pool node (see module docstring).
 
-    Call order: construct, ``start()`` (binds both sockets in the publisher thread, raises
-    what binding raised, then installs the queue into the service and announces the
-    snapshot), ``stop()`` (uninstalls the queue, publishes what is queued, closes the
-    sockets; idempotent). ``lock``: the dispatcher's lock (the service's single-thread
-    contract); ``view``: the directory table; ``install(queue | None)``: puts the queue
-    into the service (called under ``lock``); ``decode(gva) -> (medium, rank, offset)``:
-    the pool's addressing; ``node_of(rank)``: the node a rank runs on now (None when it has
-    left); ``node``: this node."""
+    Call order: construct, ``start()`` (binds both sockets in the publisher thread and
+    raises what binding raised; then, under ``lock``, queues the snapshot and installs the
+    queue into the service), ``stop()`` (uninstalls the queue, publishes what is queued,
+    closes the sockets; idempotent; also after a failed ``start()``). ``config``: the
+    pool's (its ``name`` and ``kv_events_*`` keys); ``lock``: the dispatcher's lock (the
+    service's single-thread contract); ``view``: the directory table; ``install(queue |
+    None)``: puts the queue into the service (called under ``lock``); ``decode(gva) ->
+    (medium, rank, offset)``: the pool's addressing; ``node_of(rank)``: the node a rank runs
+    on now (None when it has left); ``node``: this node. The thread owns both sockets; the
+    replay buffer holds the encoded payloads (bytes the publisher owns)."""
 
     def __init__(
         self,
@@ -203,6 +208,7 @@ class KvEventPublisher:
         if self._error is not None:
             self._thread.join()
             raise self._error
+        self._snapshot(install=True)
         log.info(
             "pool %r publishes KV events on %s%s",
             self.pool,
@@ -223,6 +229,9 @@ class KvEventPublisher:
             pass
         if self._started:
             self._thread.join(5)
+        if self._thread.is_alive():
+            return  # stuck in a send: leave it its pipe rather than close fds under it
+        self.queue._wake_fd = -1
         for fd in (self._rfd, self._wfd):
             try:
                 os.close(fd)
@@ -257,7 +266,6 @@ class KvEventPublisher:
                 return
             finally:
                 self._bound.set()
-            self._snapshot(pub, install=True)
             poller = zmq.Poller()
             poller.register(self._rfd, zmq.POLLIN)
             if replay is not None:
@@ -270,11 +278,11 @@ class KvEventPublisher:
                             pass
                     except (BlockingIOError, OSError):
                         pass
-                if replay is not None and replay in ready:
-                    self._serve_replay(replay, zmq)
                 try:
+                    if replay is not None and replay in ready:
+                        self._serve_replay(replay, zmq)
                     if self.queue.lost:
-                        self._snapshot(pub)
+                        self._snapshot()
                     self._publish(pub, self.queue.take())
                 except Exception:  # a bad cycle must not end the stream
                     log.exception("publishing KV events failed")
@@ -286,16 +294,17 @@ class KvEventPublisher:
                     s.close(linger=200)
             ctx.term()
 
-    def _snapshot(self, pub: Any, install: bool = False) -> None:
-        """``AllBlocksCleared`` + every readable object, with the queue emptied (or, the
-        first time, installed) in the same critical section."""
+    def _snapshot(self, install: bool = False) -> None:
+        """Queue ``AllBlocksCleared`` + every readable object in place of what waits, in
+        one critical section with the service (and, the first time, install the queue)."""
         with self._lock:
+            if self._stop.is_set():
+                return  # stop() has uninstalled the queue: nothing to resync
             keys, gvas = readable_objects(self._view)
-            self.queue.reset()
+            self.queue.restart([(CLEARED, [], []), (STORED, keys, gvas)])
             if install:
                 self._install(self.queue)
         self.counts["snapshots"] += 1
-        self._publish(pub, [(CLEARED, [], []), (STORED, keys, gvas)])
 
     def _where(self, gva: int, cache: dict[tuple[Medium, int], Where]) -> Where:
         medium, rank, _ = self._decode(gva)

@@ -26,9 +26,11 @@ import vllm_kv_events
 from kvf_testing import segments
 from pool_testing import Daemon
 
+from kvfabric.harness.procs import free_port
 from kvfabric.platform import shm
-from kvfabric.pool import connect
+from kvfabric.pool import EmbeddedPool, connect
 from kvfabric.pool import kv_events as ke
+from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.keys import KeyBatch, key_from_text
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -92,8 +94,9 @@ def _ids(first: int, n: int) -> np.ndarray:
 
 RANK_CHILD = """
 import sys, time
+from kvfabric.harness.procs import free_port
 from kvfabric.platform import shm
-from kvfabric.pool import connect
+from kvfabric.pool import EmbeddedPool, connect
 c = connect(sys.argv[1], window_bytes=1 << 20)
 for i in range(6):
     c.put(f"child/{i}", bytes(16 << 10))
@@ -155,13 +158,13 @@ def test_events_rebuild_the_directory_through_evictions_removals_a_lost_rank_and
         assert len(final) == 10 and subs[0][1].cleared == cleared_before + 1
         for sub, blocks in subs:
             assert blocks.keys() == final and sub.missing == 0
-        assert lossy.gaps > 0 and early.gaps >= 1  # both found gaps and repaired them
+        assert lossy.gaps > 0 and early.connects >= 1  # gaps found and repaired; a join resyncs
         # a subscriber that joins now catches up from the replay buffer alone
         late = ke.Subscriber(pub, replay, decoder=DECODE)
         late_blocks = ke.BlockSet()
         c.put("last", b"x")
         late.catch_up(int(_metric(d, "kvfabric_pool_kv_event_batches_total")) - 1, late_blocks)
-        assert late_blocks.keys() == _directory(d) == final | {b"last"} and late.gaps == 1
+        assert late_blocks.keys() == _directory(d) == final | {b"last"} and late.connects == 1
         assert _metric(d, "kvfabric_pool_kv_event_replays_total") >= 3
         assert _metric(d, "kvfabric_pool_kv_events_dropped_total") == 0
         late.close()
@@ -222,3 +225,38 @@ def test_prefix_query_finds_the_held_prefix_and_where_it_is(daemon):
         assert _http(d, "/nowhere", b"{}")[0] == 404
     finally:
         c.close()
+
+
+def _until(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "not reached in time"
+
+
+def test_a_restarted_publisher_is_followed_from_its_snapshot(isolated_shm):
+    port, rport = free_port(), free_port()
+    cfg = PoolConfig(
+        dram=1 * MiB,
+        max_objects=256,
+        pretouch=False,
+        kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{rport}",
+    )
+    sub = ke.Subscriber(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint, decoder=DECODE)
+    blocks = ke.BlockSet()
+    try:
+        with EmbeddedPool(cfg) as pool:
+            c = pool.client()
+            for k in ("a", "b", "c"):
+                c.put(k, b"v")
+                _until(lambda k=k: sub.follow(blocks, 0.05) >= 0 and k.encode() in blocks.blocks)
+            c.close()
+        assert blocks.keys() == {b"a", b"b", b"c"} and sub.restarts == 0
+        with EmbeddedPool(cfg) as pool:  # a new pool on the same addresses: numbers from 0 again
+            c = pool.client()
+            c.put("d", b"v")
+            _until(lambda: sub.follow(blocks, 0.05) >= 0 and blocks.keys() == {b"d"})
+            c.close()
+        assert sub.restarts == 1 and sub.missing == 0
+    finally:
+        sub.close()
