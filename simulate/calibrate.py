@@ -11,7 +11,8 @@ measures it.
   the terms kept non-negative); the warm-through-kvfabric TTFT of the same prompt less
   the prefill of the tokens it did not load is the load time of ``loaded_blocks``
   blocks, whose bytes the ``delegator`` rows of the run give (``nbytes`` of the
-  ``smollm2-cpu-pages`` layout over its 64 blocks): ``dram_load_gbps``.
+  ``smollm2-cpu-pages`` layout over its 64 blocks): ``load_fixed_s`` and
+  ``dram_load_gbps`` from a line through those (:func:`fit_load`).
 * ``bench store`` rows of ``store: posix``, ``op: load``: ``ssd_load_gbps`` (the median).
 * ``bench rpc`` rows: ``lookup_rpc_s`` from the smallest ``rpc_p50_us_spin``.
 
@@ -74,6 +75,19 @@ def fit_prefill(points: Sequence[tuple[int, int, float]]) -> tuple[float, float,
     return full[0], 1.0 / full[1], full[2]
 
 
+def fit_load(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(fixed_s, gbps)`` fitting ``seconds = fixed + bytes / (gbps * 1e9)`` to ``(bytes,
+    seconds)`` points; with a negative fixed term, or points of one size only, the fixed
+    term is 0 and the bandwidth the median of the points'."""
+    xs = np.array([b for b, _ in points], float)
+    ys = np.array([t for _, t in points], float)
+    if len(points) >= 2 and np.ptp(xs) > 0:
+        slope, fixed = np.polyfit(xs, ys, 1)
+        if slope > 0 and fixed >= 0:
+            return float(fixed), 1.0 / slope / 1e9
+    return 0.0, statistics.median(load_gbps(b, t) for b, t in points)
+
+
 def load_gbps(nbytes: float, seconds: float) -> float:
     """GB/s of a load of ``nbytes`` that took ``seconds`` (refused when not positive)."""
     if seconds <= 0 or nbytes <= 0:
@@ -99,16 +113,17 @@ def calibrate(rows: Sequence[Mapping[str, Any]], overrides: Iterable[str] = ()) 
             block_bytes = int(lay[0]["nbytes"]) // E2E_DUMP_BLOCKS
             cal0 = Calibration(prefill_tokens_per_s=tps, decode_tokens_per_s=1, dram_load_gbps=1,
                                prefill_base_s=base, prefill_attn_s=attn)  # fmt: skip
-            gbps = []
+            loads = []
             for r in ttft:
                 blocks = int(r.get("loaded_blocks", 0))
                 if blocks:
                     cached = blocks * _block_tokens(r)
                     rest = int(r["prompt_tokens"]) - cached
-                    t_load = float(r["ttft_kvfabric_s"]) - cal0.prefill_s(rest, cached)
-                    gbps.append(load_gbps(blocks * block_bytes, t_load))
-            if gbps:
-                found["dram_load_gbps"] = statistics.median(gbps)
+                    loads.append(
+                        (blocks * block_bytes, float(r["ttft_kvfabric_s"]) - cal0.prefill_s(rest, cached))
+                    )
+            if loads:
+                found["load_fixed_s"], found["dram_load_gbps"] = fit_load(loads)
     posix = [
         float(r["gbps"]) for r in rows if r.get("store") == "posix" and r.get("op") == "load" and "gbps" in r
     ]
@@ -139,4 +154,4 @@ def _block_tokens(row: Mapping[str, Any]) -> int:
     return int(row.get("block_tokens", 32))  # bench e2e's engines use 32-token blocks
 
 
-__all__ = ["calibrate", "fit_prefill", "load_gbps", "read_rows"]
+__all__ = ["calibrate", "fit_load", "fit_prefill", "load_gbps", "read_rows"]

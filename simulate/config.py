@@ -61,6 +61,9 @@ class ClusterConfig:
     high_watermark: float = setting(0.9, doc="a tier fuller than this is trimmed...", gt=0, hi=1)
     low_watermark: float = setting(0.8, doc="...down to this (the pool's LruByBytes)", gt=0, hi=1)
     align: Size = setting(256, doc="allocation granularity of a tier (the pool's align)")
+    exact_extents: bool = setting(
+        False, doc="run each tier's space on the pool's ExtentAllocator (slower; same answers)"
+    )
     promote: bool = setting(True, doc="an SSD hit is also stored in the node's DRAM")
     routing: Routing = setting(Routing.PREFIX_AWARE, doc="round-robin or prefix-aware")
     route_slack: int = setting(
@@ -138,8 +141,8 @@ class Calibration:
     calibrate``) or given for other hardware. Prefill of ``n`` new tokens after ``c``
     cached ones takes ``prefill_base_s + n / prefill_tokens_per_s + prefill_attn_s * n *
     (c + n / 2)``; a load of ``b`` bytes from a tier takes ``b / (<tier>_load_gbps * 1e9)``
-    plus ``load_block_s`` per block, and a request that asks the pool pays
-    ``lookup_rpc_s`` once."""
+    plus ``load_block_s`` per block and ``load_fixed_s`` once per request that loads, and
+    a request that asks the pool pays ``lookup_rpc_s`` once."""
 
     prefill_tokens_per_s: float = setting(doc="prefill throughput of one engine, tokens/s", gt=0)
     decode_tokens_per_s: float = setting(
@@ -151,6 +154,7 @@ class Calibration:
     hbm_load_gbps: float = setting(0.0, doc="HBM hits cost nothing to load (0) or this GB/s", lo=0)
     ssd_load_gbps: float = setting(1.0, doc="GB/s of a load from the node's SSD", gt=0)
     load_block_s: float = setting(0.0, doc="fixed cost per block loaded from DRAM or SSD", lo=0)
+    load_fixed_s: float = setting(0.0, doc="fixed cost of a request that loads any block (a step)", lo=0)
     lookup_rpc_s: float = setting(0.0, doc="one pool lookup per request that asks DRAM or SSD", lo=0)
     source: str = setting("", doc="where the figures come from (the bench rows, a paper)")
 

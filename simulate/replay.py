@@ -14,8 +14,8 @@ Events, in simulated time (ties: arrivals first, then in the order they were sch
   SSD, and stops at the first block no tier holds (blocks are chained: a later one is no
   use without it). Hits mark their block most recently used in the tier that served it.
   The engine is then busy for the load (bytes per tier over that tier's bandwidth, a
-  fixed cost per loaded block, one pool lookup) and the prefill of the tokens not loaded
-  (:meth:`~kvfabric.simulate.config.Calibration.prefill_s`).
+  fixed cost per loaded block and per loading request, one pool lookup) and the prefill
+  of the tokens not loaded (:meth:`~kvfabric.simulate.config.Calibration.prefill_s`).
 * **first token**: TTFT is now minus the arrival. The prompt's full blocks are stored:
   all of them into the engine's HBM; those it computed into the node's DRAM and SSD (the
   connector's write-through; put-if-absent), and with ``promote`` the SSD hits into
@@ -129,6 +129,7 @@ def _simulate(
     ssd_s = bb / (cal.ssd_load_gbps * 1e9)
     hbm_s = bb / (cal.hbm_load_gbps * 1e9) if cal.hbm_load_gbps > 0 else 0.0
     blk_s = cal.load_block_s
+    fixed_s = cal.load_fixed_s
     rpc_s = cal.lookup_rpc_s if has_pool else 0.0
     decode_tps = cal.decode_tokens_per_s
 
@@ -205,6 +206,7 @@ def _simulate(
                 + d * dram_s
                 + s * ssd_s
                 + (d + s) * blk_s
+                + (fixed_s if d + s else 0.0)
                 + cal.prefill_s(req.prompt_tokens - cached, cached)
             )
             busy += service

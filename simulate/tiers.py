@@ -1,7 +1,8 @@
 """The simulated tiers: each an address range managed by the pool's own code.
 
 Contract: a :class:`Tier` is one window of ``capacity`` bytes. Its space is an
-:class:`~kvfabric.pool.service.allocator.ExtentAllocator` and its eviction is the pool's
+:class:`~kvfabric.pool.service.allocator.ExtentAllocator` (or :class:`BlockSlots`, the
+same answers as counters when every object is one block) and its eviction is the pool's
 :class:`~kvfabric.pool.service.eviction.LruByBytes` between the cluster's watermarks, run
 exactly as the meta service runs it: an insert that finds no free extent evicts for its
 size, an insert that leaves the tier above the high watermark trims it to the low one,
@@ -59,6 +60,53 @@ class KvIndex:
         return self.holders.get(key)
 
 
+class BlockSlots:
+    """The space of a window that holds only blocks of one size (a multiple of ``align``):
+    what :class:`ExtentAllocator` does in that case, as counters. Every extent is then a
+    block at a multiple of the block size, so a block fits exactly when a slot is free, and
+    with none free the largest free extent is the tail past the last whole slot; the
+    eviction policy reads ``used``, ``largest_free`` and ``round`` and so decides the same
+    for any ``need`` up to a block (the replay asks for one block or for 1 byte).
+    ``kvfabric sim`` uses it unless the cluster sets ``exact_extents``; a test checks both
+    give the same report."""
+
+    __slots__ = ("_free", "_next", "align", "block", "capacity", "slots", "tail", "used")
+
+    def __init__(self, capacity: int, block: int, align: int) -> None:
+        if block % align:
+            raise ValueError(f"block of {block} B is not a multiple of align {align}")
+        self.capacity = capacity - capacity % align
+        self.align = align
+        self.block = block
+        self.slots = self.capacity // block
+        self.tail = self.capacity - self.slots * block
+        self.used = 0
+        self._free: list[int] = []
+        self._next = 0
+
+    def round(self, nbytes: int) -> int:
+        return -(-nbytes // self.align) * self.align
+
+    @property
+    def largest_free(self) -> int:
+        return self.block if self.used < self.slots * self.block else self.tail
+
+    def alloc(self, nbytes: int) -> int | None:
+        if self._free:
+            off = self._free.pop()
+        elif self._next < self.slots:
+            off = self._next * self.block
+            self._next += 1
+        else:
+            return None
+        self.used += self.block
+        return off
+
+    def free(self, offset: int, nbytes: int) -> None:
+        self._free.append(offset)
+        self.used -= self.block
+
+
 class Tier:
     """One window of ``capacity`` bytes of blocks of ``block_bytes`` (module docstring)."""
 
@@ -77,13 +125,24 @@ class Tier:
     )
 
     def __init__(
-        self, tier: TierName, node: int, capacity: int, block_bytes: int, policy: LruByBytes, align: int
+        self,
+        tier: TierName,
+        node: int,
+        capacity: int,
+        block_bytes: int,
+        policy: LruByBytes,
+        align: int,
+        exact_extents: bool = False,
     ) -> None:
         self.tier = tier
         self.node = node
         self.capacity = capacity
         self.block_bytes = block_bytes
-        self.alloc = ExtentAllocator(capacity, align)
+        self.alloc: ExtentAllocator | BlockSlots = (
+            ExtentAllocator(capacity, align)
+            if exact_extents or block_bytes % align
+            else BlockSlots(capacity, block_bytes, align)
+        )
         self.policy = policy
         #: key -> offset; dict order is the order of the last insert or hit, which is the
         #: order of simulated time (events run in time order), so a key's position in it
@@ -155,7 +214,7 @@ class Node:
         bb = cfg.block_bytes
 
         def make(t: TierName, cap: int) -> Tier | None:
-            return Tier(t, node, cap, bb, pol, cfg.align) if cap else None
+            return Tier(t, node, cap, bb, pol, cfg.align, cfg.exact_extents) if cap else None
 
         self.node = node
         self.index = index

@@ -68,6 +68,22 @@ def test_hits_per_tier_counted_by_hand():
     assert rep.bytes_loaded["dram"] == 3 * 256
 
 
+def test_block_slots_answer_as_the_extent_allocator_does():
+    """The replay's counter space and the pool's ExtentAllocator give the same report
+    (a tier size that is not a whole number of blocks, watermark trims and evictions)."""
+    syn = load_synthetic(data={"requests": 400, "prefixes": 20, "prefix_tokens_mean": 256})
+    cal = Calibration(prefill_tokens_per_s=1e4, decode_tokens_per_s=1e5, dram_load_gbps=10)
+    base = {"kv_bytes_per_token": 4096, "hbm_bytes": "3000KiB", "dram_bytes": "9000KiB", "ssd_bytes": "20MiB"}
+    reps = [
+        simulate(load_cluster(data={**base, "exact_extents": exact, "nodes": 2}), cal, synthetic(syn, 32))
+        for exact in (False, True)
+    ]
+    a, b = (r.as_row() for r in reps)
+    for r in (a, b):
+        del r["wall_s"], r["peak_rss_mib"]
+    assert a == b and a["evictions_dram"] > 0 and a["hit_blocks_ssd"] > 0
+
+
 def test_ssd_hits_are_promoted_into_dram():
     """DRAM of 1 block, SSD of 4. R1 AB stores A, B in both (DRAM keeps B). R2 AB: A from
     SSD, B from DRAM (2 hits); A is promoted into DRAM, evicting B. R3 AB: A from DRAM,

@@ -1,0 +1,236 @@
+"""``kvfabric sim validate``: the simulator's prediction against a real vLLM engine.
+
+Contract: :func:`run` starts one CPU vLLM engine with kvfabric's connector the way ``kvfabric
+bench e2e`` does (``harness/engine.py``'s ``make_engine``, SmolLM2-135M, 32-token
+blocks, vLLM's own prefix cache off), on the ``pool`` store alone with an embedded pool
+small enough that the trace makes it evict, and sends it, one request at a time:
+
+1. a warm-up request, then the trace: prompts that share one of a few prefixes (Zipf
+   popularity) and add a suffix of their own. After each request it waits for the
+   request's dumps, so the pool holds what the simulator's first-token store step assumes;
+2. spread over the trace (so they see the machine as the trace does, on a machine shared
+   with other work), calibration probes: prompts of several lengths, each sent cold and
+   at once again warm (loaded from the pool), and at the end one decode of 16 tokens.
+   They give this run's calibration (``calibrate.py``'s prefill fit over the median cold
+   TTFT per length, the pool load's fixed cost and GB/s from the warm ones, decode tokens/s), from other
+   prompts than the trace's.
+
+The simulator then replays the same request sequence (calibration requests included, as
+they filled the pool too) on one node with one engine whose DRAM tier is the pool's
+size, keyed by kvfabric's block ids of the token ids, and each trace request's predicted
+hits and TTFT are compared with the measured ones: the loaded blocks the connector
+reports over the blocks a lookup may claim, and the wall time to the first token.
+Requests arrive far apart in both, so neither queues.
+
+Rows: one ``validate`` row (``predicted_hit_rate``, ``measured_hit_rate``,
+``predicted_ttft_p50_s``, ``measured_ttft_p50_s``, the differences and whether they meet
+the targets: 5 points, 25 %), one ``calibration`` row. With ``out_dir`` the trace (JSONL
+of token ids, replayable by ``kvfabric sim --trace``), the calibration (YAML) and the
+cluster (YAML) are written there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvfabric.simulate.calibrate import fit_load, fit_prefill
+from kvfabric.simulate.config import Calibration, ClusterConfig, Routing, save_calibration
+from kvfabric.simulate.replay import simulate
+from kvfabric.simulate.trace import Request, parse_line
+
+BLOCK = 32  #: harness/engine.py's block size
+HIT_POINTS = 0.05
+TTFT_REL = 0.25
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes of one validation run."""
+
+    requests: int
+    prefixes: int
+    prefix_tokens: int
+    suffix_lo: int
+    suffix_hi: int
+    pool_blocks: int  #: pool capacity in blocks of the engine's KV
+    calib_lengths: tuple[int, ...] = (160, 480, 960)
+    probe_rounds: int = 2  #: cold + warm probes per length, spread over the trace
+    zipf_s: float = 1.0
+    seed: int = 11
+
+
+QUICK = Plan(requests=24, prefixes=5, prefix_tokens=520, suffix_lo=40, suffix_hi=260, pool_blocks=96)
+FULL = Plan(requests=96, prefixes=10, prefix_tokens=900, suffix_lo=40, suffix_hi=400, pool_blocks=200)
+
+
+def _prompts(plan: Plan) -> list[list[int]]:
+    rng = np.random.default_rng(plan.seed)
+    prefixes = [rng.integers(100, 40000, plan.prefix_tokens).tolist() for _ in range(plan.prefixes)]
+    w = np.arange(1, plan.prefixes + 1, dtype=float) ** -plan.zipf_s
+    which = rng.choice(plan.prefixes, plan.requests, p=w / w.sum())
+    out = []
+    for p in which:
+        n = int(rng.integers(plan.suffix_lo, plan.suffix_hi + 1))
+        out.append(prefixes[int(p)] + rng.integers(100, 40000, n).tolist())
+    return out
+
+
+def run(quick: bool = True, out_dir: str | os.PathLike[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Measure, replay and compare (module docstring); yields the rows."""
+    from kvfabric.harness.engine import kvfabric_transfer_config, make_engine, vllm_problem
+    from kvfabric.harness.models import smollm2
+
+    problem = vllm_problem()
+    if problem:
+        raise ImportError(f"kvfabric sim validate needs vLLM: {problem}")
+    plan = QUICK if quick else FULL
+    model = smollm2()
+    rng = np.random.default_rng(plan.seed + 1)
+    seq: list[tuple[list[int], int]] = []  # every request the engine saw: (prompt, output tokens)
+    measured: list[tuple[float, int, int]] = []  # trace requests: (ttft, loaded, claimable)
+
+    # the pool is sized before the engine starts, in blocks of the layout bench e2e uses for
+    # SmolLM2 on CPU; the bytes per block the connector actually stores are read back below
+    block_bytes = 30 * 48 * 1024  # SmolLM2 CPU pages: 30 layers x 48 KiB (bench/e2e.py LAYOUTS)
+    pool_bytes = plan.pool_blocks * block_bytes
+    transfer = kvfabric_transfer_config(
+        "pool", pool_bytes=pool_bytes, store_options={"pool.name": "kvf-sim-validate"}
+    )
+    t_start = time.perf_counter()
+    eng = make_engine(model, transfer, kv_bytes=512 << 20, max_model_len=4096)
+    try:
+        w = eng.worker()
+        if w is None:
+            raise RuntimeError("the engine's kvfabric worker connector is not in this process")
+
+        def send(prompt: list[int], out: int = 1) -> tuple[float, int]:
+            before = w.stats.totals["loaded_blocks"]
+            t0 = time.perf_counter()
+            eng.generate([prompt], max_tokens=out)
+            dt = time.perf_counter() - t0
+            eng.flush()
+            seq.append((prompt, out))
+            return dt, w.stats.totals["loaded_blocks"] - before
+
+        send(rng.integers(100, 40000, 64).tolist())  # warm-up: one-time costs
+        trace = _prompts(plan)
+        probes = [n for n in plan.calib_lengths for _ in range(plan.probe_rounds)]
+        every = max(1, len(trace) // len(probes))
+        cold: dict[int, list[float]] = {n: [] for n in plan.calib_lengths}
+        warm: list[tuple[int, int, float]] = []
+        trace_at: list[int] = []  # positions in seq of the trace's requests
+        for i, prompt in enumerate(trace):
+            if i % every == 0 and probes:  # a calibration probe: cold, then at once warm
+                n = probes.pop(0)
+                p = rng.integers(100, 40000, n).tolist()
+                cold[n].append(send(p)[0])
+                t, loaded = send(p)
+                warm.append((n, loaded, t))
+            trace_at.append(len(seq))
+            t, loaded = send(prompt)
+            measured.append((t, loaded, max(len(prompt) - 1, 0) // BLOCK))
+        saved = w.stats.totals["saved_bytes"] // max(1, w.stats.totals["saved_blocks"])
+        if saved and saved != block_bytes:  # the pool stays as sized; the blocks are what was stored
+            block_bytes = int(saved)
+        t1 = send(p, 1)[0]
+        t17 = send(p, 17)[0]
+        decode_tps = 16 / max(t17 - t1, 1e-6)
+        base, tps, attn = fit_prefill([(n, 0, statistics.median(v)) for n, v in cold.items() if v])
+        cal0 = Calibration(
+            prefill_tokens_per_s=tps, decode_tokens_per_s=decode_tps, dram_load_gbps=1.0,
+            prefill_base_s=base, prefill_attn_s=attn,
+        )  # fmt: skip
+        loads = [(k * block_bytes, t - cal0.prefill_s(n - k * BLOCK, k * BLOCK)) for n, k, t in warm if k]
+        loads = [(nb, dt) for nb, dt in loads if dt > 0]
+        if not loads:
+            raise RuntimeError("no warm probe took longer than its fitted prefill: too noisy to calibrate")
+        fixed_s, gbps = fit_load(loads)
+        cal = Calibration(
+            prefill_tokens_per_s=tps,
+            decode_tokens_per_s=decode_tps,
+            dram_load_gbps=gbps,
+            load_fixed_s=fixed_s,
+            prefill_base_s=base,
+            prefill_attn_s=attn,
+            source="kvfabric sim validate: SmolLM2-135M, CPU vLLM, embedded pool, this run",
+        )
+    finally:
+        eng.close()
+    engine_s = time.perf_counter() - t_start
+
+    cluster = ClusterConfig(
+        nodes=1,
+        engines_per_node=1,
+        block_tokens=BLOCK,
+        kv_bytes_per_token=block_bytes // BLOCK,
+        hbm_bytes=0,
+        dram_bytes=pool_bytes,
+        ssd_bytes=0,
+        routing=Routing.ROUND_ROBIN,
+    )
+    reqs = [
+        parse_line({"arrival_s": 1000.0 * i, "tokens": p, "output_tokens": o}, f"request {i}", BLOCK, None)
+        for i, (p, o) in enumerate(seq)
+    ]
+    predicted: list[tuple[float, int, int]] = []
+
+    def record(req: Request, ttft: float, hit: int, claim: int) -> None:
+        predicted.append((ttft, hit, claim))
+
+    rep = simulate(cluster, cal, reqs, on_first_token=record)
+    pred = [predicted[i] for i in trace_at]
+    p_hit = sum(h for _, h, _ in pred) / max(1, sum(c for _, _, c in pred))
+    m_hit = sum(h for _, h, _ in measured) / max(1, sum(c for _, _, c in measured))
+    p_ttft = statistics.median(t for t, _, _ in pred)
+    m_ttft = statistics.median(t for t, _, _ in measured)
+    rel = abs(p_ttft - m_ttft) / m_ttft
+    if out_dir is not None:
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / "validate-trace.jsonl", "w") as f:
+            for i, (p, o) in enumerate(seq):
+                f.write(json.dumps({"arrival_s": 1000.0 * i, "tokens": p, "output_tokens": o}) + "\n")
+        save_calibration(cal, d / "calibration.yaml")
+        import yaml
+
+        with open(d / "validate-cluster.yaml", "w") as f:
+            yaml.safe_dump(
+                {k: v for k, v in cluster.as_mapping().items() if k != "price"}, f, sort_keys=False
+            )
+    yield {
+        "case": "validate",
+        "quick": quick,
+        "requests": len(measured),
+        "predicted_hit_rate": round(p_hit, 4),
+        "measured_hit_rate": round(m_hit, 4),
+        "hit_rate_diff_points": round(100 * (p_hit - m_hit), 2),
+        "predicted_ttft_p50_s": round(p_ttft, 4),
+        "measured_ttft_p50_s": round(m_ttft, 4),
+        "ttft_p50_rel_error": round(rel, 3),
+        "predicted_ttft_p99_s": round(float(np.percentile([t for t, _, _ in pred], 99)), 4),
+        "measured_ttft_p99_s": round(float(np.percentile([t for t, _, _ in measured], 99)), 4),
+        "hit_within_5_points": abs(p_hit - m_hit) <= HIT_POINTS,
+        "ttft_within_25_percent": rel <= TTFT_REL,
+        "pool_bytes": pool_bytes,
+        "block_bytes": block_bytes,
+        "predicted_evictions": rep.evictions["dram"],
+        "engine_s": round(engine_s, 1),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "ncpu": os.cpu_count(),
+    }
+    yield {
+        "case": "calibration",
+        **{k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(cal).items()},
+    }
+
+
+__all__ = ["FULL", "QUICK", "Plan", "run"]
