@@ -132,14 +132,31 @@ class EventQueue:
             self.lost = False
         self._wake()
 
+    def prepend(self, items: list[tuple[int, list[bytes], list[int]]]) -> None:
+        """Put ``items`` before what waits (the publisher thread, the only taker, after a
+        ``restart([])``: the snapshot it took then goes ahead of what came after it)."""
+        with self._lock:
+            self._items.extendleft(reversed(items))
+            self._pending += sum(len(keys) for _, keys, _ in items)
 
-def readable_objects(view: TableView) -> tuple[list[bytes], list[int]]:
-    """Keys and addresses of every readable object (array copies; call under the service
-    lock, the table's writer)."""
+
+Readable = tuple[np.ndarray, np.ndarray, np.ndarray, bytes]  # key offsets, lengths, gvas, arena
+
+
+def readable_arrays(view: TableView) -> Readable:
+    """What names every readable object: array copies only (no Python per object), so the
+    service lock is held for a memcpy of the table; call under it. ``readable_objects``
+    makes keys of them after letting go."""
     live = view.slots[view.slots["state"] == SlotState.READABLE]
     arena = bytes(view.arena[: int(view.hdr["arena_used"][0])])
-    offs, lens = live["key_off"].astype(np.int64).tolist(), live["key_len"].astype(np.int64).tolist()
-    return [arena[o : o + n] for o, n in zip(offs, lens, strict=True)], live["gva"].tolist()
+    return live["key_off"].astype(np.int64), live["key_len"].astype(np.int64), live["gva"].copy(), arena
+
+
+def readable_objects(arrays: Readable) -> tuple[list[bytes], list[int]]:
+    """Keys and addresses of ``readable_arrays``."""
+    offs, lens, gvas, arena = arrays
+    keys = [arena[o : o + n] for o, n in zip(offs.tolist(), lens.tolist(), strict=True)]
+    return keys, gvas.tolist()
 
 
 @dataclass(frozen=True)
@@ -295,15 +312,25 @@ class KvEventPublisher:
             ctx.term()
 
     def _snapshot(self, install: bool = False) -> None:
-        """Queue ``AllBlocksCleared`` + every readable object in place of what waits, in
-        one critical section with the service (and, the first time, install the queue)."""
+        """Queue ``AllBlocksCleared`` + every readable object in place of what waits, the
+        table copied and the queue emptied in one critical section with the service.
+        ``install`` (``start()``, before the thread publishes anything): the queue goes
+        into the service in that section too, keys made under the lock. Otherwise (the
+        thread, after a drop) the keys are made after letting go and put ahead of what
+        the service queued since: only this thread takes from the queue."""
         with self._lock:
             if self._stop.is_set():
                 return  # stop() has uninstalled the queue: nothing to resync
-            keys, gvas = readable_objects(self._view)
-            self.queue.restart([(CLEARED, [], []), (STORED, keys, gvas)])
+            arrays = readable_arrays(self._view)
             if install:
+                keys, gvas = readable_objects(arrays)
+                self.queue.restart([(CLEARED, [], []), (STORED, keys, gvas)])
                 self._install(self.queue)
+            else:
+                self.queue.restart([])
+        if not install:
+            keys, gvas = readable_objects(arrays)
+            self.queue.prepend([(CLEARED, [], []), (STORED, keys, gvas)])
         self.counts["snapshots"] += 1
 
     def _where(self, gva: int, cache: dict[tuple[Medium, int], Where]) -> Where:

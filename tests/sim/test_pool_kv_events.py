@@ -260,3 +260,30 @@ def test_a_restarted_publisher_is_followed_from_its_snapshot(isolated_shm):
         assert sub.restarts == 1 and sub.missing == 0
     finally:
         sub.close()
+
+
+def test_a_publisher_that_falls_behind_drops_and_resyncs_with_a_snapshot(isolated_shm):
+    cfg = PoolConfig(
+        dram=1 * MiB,
+        max_objects=256,
+        pretouch=False,
+        kv_events_endpoint="tcp://127.0.0.1:0",
+        kv_events_replay_endpoint="tcp://127.0.0.1:0",
+        kv_events_queue=4,  # 4 keys may wait for the publisher thread
+    )
+    with EmbeddedPool(cfg) as pool:
+        pub = pool.events
+        assert pub is not None
+        sub = ke.Subscriber(pub.endpoint, pub.replay_endpoint, decoder=DECODE)
+        blocks = ke.BlockSet()
+        c = pool.client()
+        try:
+            c.batch_put([f"k{i}" for i in range(10)], [b"v"] * 10)  # 10 keys in one commit: dropped
+            c.remove("k3")
+            want = {f"k{i}".encode() for i in range(10)} - {b"k3"}
+            _until(lambda: sub.follow(blocks, 0.05) >= 0 and blocks.keys() == want)
+            m = pub.metrics()
+            assert m["dropped"] >= 10 and m["snapshots"] >= 2 and sub.missing == 0
+        finally:
+            c.close()
+            sub.close()
