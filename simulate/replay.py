@@ -45,6 +45,7 @@ from kvfabric.simulate.tiers import KvIndex, Node
 from kvfabric.simulate.trace import Request
 
 _START, _DONE = 0, 1
+_NONE: dict[Any, int] = {}  # the objects of a tier a node does not have (never written)
 GiB = float(1 << 30)
 
 
@@ -185,16 +186,28 @@ def _simulate(
             claim = min(len(req.keys), max(req.prompt_tokens - 1, 0) // bt)
             h = d = s = 0
             from_ssd = []
+            # Tier.hit inlined (the hot loop): pop and put back = most recently used
+            ho = _NONE if hbm is None else hbm.objects
+            do = _NONE if dram is None else dram.objects
+            so = _NONE if ssd is None else ssd.objects
             for k in req.keys[:claim]:
-                if hbm is not None and hbm.hit(k, now):
+                off = ho.pop(k, None)
+                if off is not None:
+                    ho[k] = off
                     h += 1
-                elif dram is not None and dram.hit(k, now):
+                    continue
+                off = do.pop(k, None)
+                if off is not None:
+                    do[k] = off
                     d += 1
-                elif ssd is not None and ssd.hit(k, now):
+                    continue
+                off = so.pop(k, None)
+                if off is not None:
+                    so[k] = off
                     s += 1
                     from_ssd.append(k)
-                else:
-                    break
+                    continue
+                break
             cached = (h + d + s) * bt
             lookup_blocks += claim
             hits[TierName.HBM] += h
@@ -220,13 +233,16 @@ def _simulate(
         stored = min(len(req.keys), req.prompt_tokens // bt)
         keys = req.keys
         if hbm is not None:  # the hits were marked at the start; the rest are new here
+            ho, put = hbm.objects, hbm.insert
             for k in keys[:stored]:
-                hbm.insert(k, now)
+                if k not in ho:
+                    put(k, now)
         computed = keys[n_hit:stored]
         for tier in (dram, ssd):
             if tier is not None:
+                put = tier.insert
                 for k in computed:
-                    tier.insert(k, now)
+                    put(k, now)
         if promote and dram is not None:
             for k in from_ssd:
                 dram.insert(k, now)
