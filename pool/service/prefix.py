@@ -1,9 +1,9 @@
 """``POST /prefix``: how long a prefix of blocks the pool holds, and where, for routers.
 
-A router that has a request's block ids (kvfabric's 16-byte ids: ``ucm_layer/hashing.py``
-computes them from token ids and the engine's fingerprint, ``docs/hashing.md``) or the
-block hashes of this pool's KV events (``pool/kv_events.py``: the pool keys) asks which
-leading run of them the pool holds. JSON in, one of:
+A router that has a request's block ids (kvfabric's 16-byte ids, what the vLLM connector
+stores under: ``ucm_layer/routing.py`` computes them from vLLM's block hashes and the
+engine's fingerprint, and asks this endpoint) or the block hashes of this pool's KV events
+(``pool/kv_events.py``: the pool keys) asks which leading run of them the pool holds. JSON in, one of:
 
 ``{"block_ids": ["<32 hex digits>", ...], "prefix": "kv", "shards": 1}``
     blocks of the pool store: block ``i`` is held when every shard ``0 .. shards-1`` of it

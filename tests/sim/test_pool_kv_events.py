@@ -32,6 +32,8 @@ from kvfabric.pool import EmbeddedPool, connect
 from kvfabric.pool import kv_events as ke
 from kvfabric.pool.config import PoolConfig
 from kvfabric.pool.keys import KeyBatch, key_from_text
+from kvfabric.ucm_layer import routing
+from kvfabric.ucm_layer.hashing import Fingerprint
 
 KiB, MiB = 1 << 10, 1 << 20
 VLLM = vllm_kv_events.load()
@@ -223,6 +225,15 @@ def test_prefix_query_finds_the_held_prefix_and_where_it_is(daemon):
             code, out = _prefix(d, req)
             assert code == 400 and field in out["error"], (req, out)
         assert _http(d, "/nowhere", b"{}")[0] == 404
+        # a router's route: vLLM's block hashes + the engine's fingerprint -> the connector's ids
+        fp = Fingerprint("m", "bfloat16", "2x4x1KiB", block_size=16)
+        engine_hashes = [bytes([i]) * 32 for i in range(8)]  # vLLM's sha256 block hashes
+        ids = routing.pool_block_ids(fp, engine_hashes)
+        c.batch_put(KeyBatch.of_ids(b"kv/", ids[:5], b"\x00\x00"), [bytes(KiB)] * 5)
+        got = routing.held_prefix(f"127.0.0.1:{d.ready['http_port']}", ids, fp.block_size)
+        assert (got.blocks, got.tokens) == (5, 80) and got.locations[0][0]["rank"] == 0
+        with pytest.raises(ValueError, match="shards"):
+            routing.held_prefix(f"127.0.0.1:{d.ready['http_port']}", ids, 16, shards=0)
     finally:
         c.close()
 

@@ -296,3 +296,15 @@ def test_prefix_query_keys_are_the_pool_stores() -> None:
     names, shards, keys = parse(b'{"block_ids": ["' + bid.hex().encode() + b'"], "prefix": "m", "shards": 2}')
     assert (names, shards) == ([bid], 2)
     assert keys == [ke.block_key("m", bid, 0), ke.block_key("m", bid, 1)]
+
+
+def test_router_ids_take_the_last_engine_hash_of_each_block() -> None:
+    from kvfabric.ucm_layer import hashing, routing
+
+    fp = hashing.Fingerprint("m", "bfloat16", "2x4x1KiB", block_size=32)
+    hashes = [bytes([i]) * 32 for i in range(6)]  # vLLM hashes blocks of 16 tokens, kvfabric of 32
+    two = routing.pool_block_ids(fp, hashes, hashes_per_block=2, rank=1)
+    assert (two == hashing.tag(hashing.BlockHasher(fp).hash_engine(hashes[1::2]), 1, 0)).all()
+    assert two.shape == (3, 16) and (hashing.rank_of(two) == 1).all()
+    with pytest.raises(ValueError, match="hashes_per_block"):
+        routing.pool_block_ids(fp, hashes, hashes_per_block=0)
