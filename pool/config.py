@@ -144,7 +144,7 @@ class PoolConfig:
         lo=1,
         hi=3600,
     )
-    advertise: str = setting("", doc="HOST:PORT other nodes reach this daemon's tcp at ('' -> tcp's)")
+    tcp_advertise: str = setting("", doc="HOST:PORT other nodes reach this daemon's tcp at ('' -> tcp's)")
     etcd_ca: str = setting("", doc="etcd: CA file (PEM) to check its certificate against (HTTPS)")
     etcd_cert: str = setting("", doc="etcd: client certificate file (PEM), with etcd_key")
     etcd_key: str = setting("", doc="etcd: the client certificate's key file (PEM)")
@@ -199,13 +199,13 @@ class PoolConfig:
                 f"and tcp=HOST:PORT (where clients reach the leader); got rendezvous={self.rendezvous!r}, "
                 f"tcp={self.tcp!r}"
             )
-        if self.advertise:
-            _host, port = _host_port(self.advertise, "advertise")
+        if self.tcp_advertise:
+            _host, port = _host_port(self.tcp_advertise, "tcp_advertise")
             if not self.tcp or port == 0:
-                raise ValueError(f"pool config advertise={self.advertise!r}: needs tcp and a port > 0")
+                raise ValueError(f"pool config tcp_advertise={self.tcp_advertise!r}: needs tcp, a port > 0")
         elif self.leader_election and self.tcp_addr is not None and self.tcp_addr[0] in ("0.0.0.0", "::", ""):
             raise ValueError(
-                f"pool config tcp={self.tcp!r} listens on every address: set advertise=HOST:PORT, "
+                f"pool config tcp={self.tcp!r} listens on every address: set tcp_advertise=HOST:PORT, "
                 "the address other nodes reach it at (the leader key holds it)"
             )
         given = [
@@ -234,7 +234,7 @@ class PoolConfig:
     @property
     def advertised(self) -> str:
         """HOST:PORT other nodes are told (the leader key); a port 0 is the bound one's to fill."""
-        return self.advertise or self.tcp
+        return self.tcp_advertise or self.tcp
 
     @property
     def tcp_addr(self) -> tuple[str, int] | None:

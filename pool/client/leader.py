@@ -10,8 +10,9 @@ creates it again.
 :class:`LeaderTransport` is a client transport (``Transport`` of ``rpc.py``) over that key:
 it reads the key, calls the leader over TCP with the token, and when the leader does not
 answer, refuses as ``NOT_LEADER`` or is not known yet, reads the key again and retries,
-for at most ``retry_s`` seconds a call (so no call blocks much longer than that: the default
-1.5 s and a per-attempt bound keep every call under 2 s). It never resends a request that
+for at most ``retry_s`` seconds a call: every attempt is bounded by the time left and every
+read of the key by ``RESOLVE_S``, so no call blocks longer than ``retry_s`` (1.5 s by
+default; 2 s is the pool's promise). It never resends a request that
 may have been applied (sent, no reply) to the same leader unless the request is
 idempotent (:data:`IDEMPOTENT`: reads, renewals, re-registrations); others go again only to
 a different leader, which cannot have seen them. Out of time it raises
@@ -39,6 +40,8 @@ log = logging.getLogger("kvfabric.pool.client")
 IDEMPOTENT = (p.Info, p.Hello, p.Lookup, p.Exists, p.ListKeys, p.Renew, p.Reregister, p.Release)
 RETRY_S = 1.5  # how long one call keeps looking for a leader
 POLL_S = 0.05  # between two reads of the leader key while there is none
+RESOLVE_S = 0.3  # the longest one read of the leader key may take
+MIN_ATTEMPT_S = 0.05  # no attempt is started with less time left than this
 
 
 def leader_key(pool: str) -> str:
@@ -102,7 +105,8 @@ class LeaderTransport:
         self.timeout = float(timeout)
         self.retry_s = float(retry_s)
         self.endpoint = f"{etcd} (leader of pool {pool!r})"
-        self._store = EtcdStore(etcd, call_timeout=min(self.timeout, self.retry_s), auth=auth)
+        # a read of the key must fit in a call's retry time, or a slow etcd would stretch it
+        self._store = EtcdStore(etcd, call_timeout=min(self.timeout, RESOLVE_S), auth=auth)
         self._lock = threading.Lock()
         self._rpc: SocketTransport | None = None
         self._addr = ""
@@ -146,9 +150,10 @@ class LeaderTransport:
         rpc = self._rpc or self._resolve()
         while True:
             left = deadline - time.monotonic()
-            if rpc is not None and not (unanswered_at == self._addr and not isinstance(req, IDEMPOTENT)):
+            resend = not (unanswered_at == self._addr and not isinstance(req, IDEMPOTENT))
+            if rpc is not None and resend and left >= MIN_ATTEMPT_S:
                 try:
-                    reply = rpc.call_unchecked(req, timeout=max(min(self.timeout, left), 0.05))
+                    reply = rpc.call_unchecked(req, timeout=min(self.timeout, left))
                 except TokenRefused:
                     raise
                 except SentUnanswered as e:
@@ -162,11 +167,11 @@ class LeaderTransport:
                         return reply
                     last = f"{self._addr}: {reply.error}"
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left < MIN_ATTEMPT_S + RESOLVE_S:
                 raise ServiceUnavailable(
                     f"pool {self.pool!r}: no leader answered within {self.retry_s} s (last: {last})"
                 )
-            time.sleep(min(POLL_S, left))
+            time.sleep(POLL_S)
             rpc = self._resolve()
 
     def close(self) -> None:

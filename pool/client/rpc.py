@@ -168,10 +168,12 @@ class SocketTransport:
             raise ValueError(f"pool request of {len(payload)} B is longer than {p.MAX_FRAME} B: split it")
         wait = self.timeout if timeout is None else timeout
         with self._lock:
+            end = time.monotonic() + wait  # connecting (and the token's challenge) count too
             conn = self._connect(wait)
             try:
                 conn.send_bytes(payload)
-                if not (self.spin_s and spin_poll(conn, self.spin_s)) and not conn.poll(wait):
+                left = max(end - time.monotonic(), 0.001)
+                if not (self.spin_s and spin_poll(conn, self.spin_s)) and not conn.poll(left):
                     self._reset()
                     raise SentUnanswered(f"pool service at {self.endpoint} did not answer within {wait} s")
                 data = conn.recv_bytes()

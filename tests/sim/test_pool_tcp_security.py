@@ -5,6 +5,7 @@ subprocesses, real sockets on 127.0.0.1, a real etcd with auth turned on."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from etcd_server import etcd_binary, etcd_server
+from etcd_server import etcd_binary, etcd_server, tls_files
 from pool_testing import Daemon
 
 from kvfabric.errors import ServiceUnavailable
@@ -52,7 +53,7 @@ def test_a_tcp_listener_without_a_token_is_refused_unless_insecure(tmp_path):
 def test_cluster_settings_are_checked_together(tmp_path):
     with pytest.raises(ValueError, match="leader_election needs rendezvous=etcd"):
         PoolConfig(leader_election=True, tcp="127.0.0.1:0", token=TOKEN)
-    with pytest.raises(ValueError, match="advertise=HOST:PORT"):
+    with pytest.raises(ValueError, match="tcp_advertise=HOST:PORT"):
         PoolConfig(leader_election=True, tcp="0.0.0.0:7000", token=TOKEN, rendezvous="etcd://e:2379")
     with pytest.raises(ValueError, match="etcd_cert and etcd_key go together"):
         PoolConfig(rendezvous="etcd://e:2379", etcd_cert=__file__)
@@ -144,5 +145,29 @@ def test_etcd_user_and_password_pass_through_to_the_etcd_client():
             s.set("x", b"1", ephemeral=True)  # a lease and a put under the auth token
             assert s.get("x") == b"1"
             assert s.watch_key("x", 0, 1.0)[0][0].value == b"1"
+        finally:
+            s.close()
+
+
+@pytest.mark.skipif(etcd_binary() is None or not shutil.which("openssl"), reason="etcd or openssl missing")
+def test_etcd_tls_settings_pass_through_to_the_etcd_client(tmp_path):
+    """etcd serving HTTPS and asking for client certificates: the pool's etcd_ca /
+    etcd_cert / etcd_key reach the client; without them it cannot talk to etcd."""
+    tls = tls_files(str(tmp_path))
+    with etcd_server(tls=tls) as url:
+        with pytest.raises(ServiceUnavailable):
+            EtcdStore(url, call_timeout=2.0)  # plain HTTP to an HTTPS port
+        with pytest.raises(ServiceUnavailable):
+            EtcdStore(url, call_timeout=2.0, auth=EtcdAuth(ca=tls["ca"]))  # no client certificate
+        cfg = PoolConfig(
+            rendezvous=url, etcd_ca=tls["ca"], etcd_cert=tls["client_cert"], etcd_key=tls["client_key"]
+        )
+        s = EtcdStore(url, auth=cfg.etcd_auth)
+        try:
+            s.set("tls/x", b"1", ephemeral=True)
+            assert s.get("tls/x") == b"1"
+            lease = s.grant(5)
+            assert s.create_if_absent("tls/leader", b"me", lease)[0]
+            assert s.watch_key("tls/leader", 0, 1.0)[0][0].value == b"me"
         finally:
             s.close()
