@@ -9,7 +9,8 @@ can tell), real TCP sockets on 127.0.0.1.
 * a leader stopped (SIGSTOP) until another took over grants nothing when it resumes (its
   allocation and commit are refused, no object of it becomes readable) and steps down;
 * the fail-closed gate itself: a leader whose local deadline passed grants nothing while it
-  still believes it leads (a clock stopped at will, a real etcd).
+  still believes it leads (a clock stopped at will, a real etcd); a leader whose etcd goes
+  away stops granting by its deadline and steps down.
 """
 
 from __future__ import annotations
@@ -269,3 +270,46 @@ def test_a_leader_past_its_local_deadline_grants_nothing_before_it_learns(etcd):
         assert read_leader(follower, "gate1") is None  # stop() gave the key up at once
     finally:
         follower.close()
+
+
+def test_a_leader_that_loses_etcd_stops_granting_by_its_deadline_and_steps_down():
+    deposed: list[str] = []
+    with etcd_server() as url:
+        store = EtcdStore(url, call_timeout=0.5)
+        rec = LeaderRecord("127.0.0.1:1", os.getpid(), "n", time.time()).encode()
+        camp = Campaign(store, "lost1", rec, TTL, lambda: None, deposed.append).start()
+        try:
+            deadline = time.monotonic() + 10
+            while not camp.may_grant() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert camp.may_grant()
+            etcd_proc = _etcd_process(url)
+            os.kill(etcd_proc, signal.SIGSTOP)  # etcd unreachable: no keep-alive gets through
+            t0 = time.monotonic()
+            try:
+                while camp.may_grant() and time.monotonic() < t0 + 5:
+                    time.sleep(0.01)
+                stopped_granting = time.monotonic() - t0
+                while camp.state is LeaderState.LEADER and time.monotonic() < t0 + 8:
+                    time.sleep(0.05)
+            finally:
+                os.kill(etcd_proc, signal.SIGCONT)
+            assert stopped_granting <= TTL - camp.margin + 0.1, stopped_granting
+            assert camp.state is LeaderState.STANDBY and deposed and "etcd unreachable" in deposed[0]
+        finally:
+            camp.stop()
+
+
+def _etcd_process(url: str) -> int:
+    """The pid of the etcd serving ``url`` (the one listening on its port)."""
+    port = url.rsplit(":", 1)[1]
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"etcd") and any(a.endswith(f":{port}".encode()) for a in cmd):
+            return int(pid)
+    raise LookupError(f"no etcd process serves {url}")
