@@ -125,10 +125,11 @@ class EventQueue:
 
     def restart(self, items: list[tuple[int, list[bytes], list[int]]]) -> None:
         """Replace what waits with ``items`` (a snapshot: taken under the service lock, so
-        nothing queued before it is needed) and clear ``lost``."""
+        nothing queued before it is needed) and clear ``lost``. A snapshot does not count
+        toward ``limit`` (a directory larger than it must not drop every later event)."""
         with self._lock:
             self._items = deque(items)
-            self._pending = sum(len(keys) for _, keys, _ in items)
+            self._pending = 0
             self.lost = False
         self._wake()
 
@@ -137,7 +138,6 @@ class EventQueue:
         ``restart([])``: the snapshot it took then goes ahead of what came after it)."""
         with self._lock:
             self._items.extendleft(reversed(items))
-            self._pending += sum(len(keys) for _, keys, _ in items)
 
 
 Readable = tuple[np.ndarray, np.ndarray, np.ndarray, bytes]  # key offsets, lengths, gvas, arena

@@ -243,9 +243,12 @@ def test_a_full_queue_drops_and_asks_for_a_snapshot() -> None:
     q.stored([b"c", b"d"], [3, 4])  # past the limit: dropped, and so is all that follows
     q.removed([b"a"], [1])
     assert q.lost and q.dropped == 3 and len(q.take()) == 1
-    q.restart([(STORED, [b"x"], [9])])  # the publisher's snapshot replaces what waited
-    q.removed([b"a"], [1])
-    assert not q.lost and q.take() == [(STORED, [b"x"], [9]), (REMOVED, [b"a"], [1])]
+    q.restart([(STORED, [b"x", b"y", b"z", b"w"], [9, 8, 7, 6])])  # a snapshot replaces what waited
+    q.removed([b"a"], [1])  # the snapshot does not count toward the limit
+    assert not q.lost and q.take() == [
+        (STORED, [b"x", b"y", b"z", b"w"], [9, 8, 7, 6]),
+        (REMOVED, [b"a"], [1]),
+    ]
 
 
 # --------------------------------------------------------------------- config, /prefix input
