@@ -305,9 +305,11 @@ class PoolNode:
         assert self.table is not None and self.fabric is not None
         old = self.service
         old.remove_all()  # the readable objects, as a removal would (KV events see them go)
-        writer = old.table
-        for slot in np.flatnonzero(self.table.slots["hash"] != 0).tolist():
-            writer.remove(int(slot))
+        writer, hashes = old.table, self.table.slots["hash"]
+        while (left := np.flatnonzero(hashes != 0)).size:  # a removal shifts its cluster back:
+            for slot in left.tolist():  # an entry may land on a slot this pass already cleared
+                if hashes[slot] != 0:
+                    writer.remove(int(slot))
         epoch = int.from_bytes(os.urandom(8), "little") | 1
         writer.set_epoch(epoch)
         self.service = MetaService(self.config, self.table, self.addressing)

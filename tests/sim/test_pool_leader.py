@@ -26,7 +26,7 @@ from etcd_server import etcd_binary, etcd_server
 from pool_testing import Daemon, content
 
 from kvfabric.errors import KeyNotFound, ServiceUnavailable
-from kvfabric.pool import connect
+from kvfabric.pool import EmbeddedPool, PoolConfig, connect
 from kvfabric.pool import protocol as p
 from kvfabric.pool.client.leader import LeaderRecord, read_leader
 from kvfabric.pool.client.rpc import SocketTransport
@@ -34,7 +34,7 @@ from kvfabric.pool.gva.rendezvous.etcd import EtcdStore
 from kvfabric.pool.service.leader import Campaign, LeaderState
 from kvfabric.pool.status import Status
 
-pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (etcd-server)")
+needs_etcd = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (etcd-server)")
 
 TOKEN = "s3cret-pool-token"
 TTL = 2  # s: the leader's etcd lease in these tests
@@ -154,6 +154,7 @@ class _Caller(threading.Thread):
             self.error = e
 
 
+@needs_etcd
 def test_one_of_three_leads_and_a_killed_leader_is_replaced_while_a_client_keeps_calling(
     etcd, tmp_path, isolated_shm
 ):
@@ -210,6 +211,7 @@ def test_one_of_three_leads_and_a_killed_leader_is_replaced_while_a_client_keeps
         _stop_all(ds)
 
 
+@needs_etcd
 def test_a_stopped_leader_resumed_after_a_takeover_grants_nothing_and_steps_down(
     etcd, tmp_path, isolated_shm
 ):
@@ -246,6 +248,7 @@ def test_a_stopped_leader_resumed_after_a_takeover_grants_nothing_and_steps_down
         _stop_all(ds)
 
 
+@needs_etcd
 def test_a_leader_past_its_local_deadline_grants_nothing_before_it_learns(etcd):
     """The gate checks the local deadline, not the state: with the campaign's clock moved
     past the lease's end, ``may_grant`` is False although the state still says LEADER."""
@@ -272,6 +275,7 @@ def test_a_leader_past_its_local_deadline_grants_nothing_before_it_learns(etcd):
         follower.close()
 
 
+@needs_etcd
 def test_a_leader_that_loses_etcd_stops_granting_by_its_deadline_and_steps_down():
     deposed: list[str] = []
     with etcd_server() as url:
@@ -313,3 +317,26 @@ def _etcd_process(url: str) -> int:
         if cmd and cmd[0].endswith(b"etcd") and any(a.endswith(f":{port}".encode()) for a in cmd):
             return int(pid)
     raise LookupError(f"no etcd process serves {url}")
+
+
+def test_a_new_term_starts_from_an_empty_directory_under_a_new_epoch(isolated_shm):
+    """What election and deposition do to the node's directory (``_fresh_directory``): every
+    entry goes (also those a removal shifts back onto a slot already passed), the count is
+    0, the epoch is new, the windows stay, and the next puts are placed as before."""
+    with EmbeddedPool(PoolConfig(name="fresh", dram="8MiB", max_objects=64, pretouch=False)) as pool:
+        c = pool.client()
+        try:
+            keys = [f"k{i}" for i in range(50)]  # a small table: long clusters to shift back
+            assert all(s == Status.OK for s in c.batch_put(keys[:20], [b"v" * 100] * 20))
+            st, _ = c.batch_alloc(keys[20:], [100] * 30)  # being written: not readable, in the table
+            assert all(s == Status.OK for s in st)
+            epoch, windows = pool.dispatcher.epoch, set(pool.service.windows)
+            with pool.dispatcher.lock:
+                pool._fresh_directory()
+            assert pool.table.count == 0 and not (pool.table.slots["hash"] != 0).any()
+            assert pool.dispatcher.epoch != epoch and pool.table.epoch == pool.dispatcher.epoch
+            assert set(pool.service.windows) == windows and pool.dispatcher.service is pool.service
+            assert not c.batch_exists(keys).any()
+            assert c.put("after", b"w" * 100) == Status.OK and c.get("after") == b"w" * 100
+        finally:
+            c.close()
