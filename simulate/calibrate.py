@@ -12,7 +12,9 @@ measures it.
   the prefill of the tokens it did not load is the load time of ``loaded_blocks``
   blocks, whose bytes the ``delegator`` rows of the run give (``nbytes`` of the
   ``smollm2-cpu-pages`` layout over its 64 blocks): ``load_fixed_s`` and
-  ``dram_load_gbps`` from a line through those (:func:`fit_load`).
+  ``dram_load_gbps`` from a line through those (:func:`fit_load`; where the per-byte
+  cost is below resolution, the bandwidth is the median ``memcpy_gbps`` of ``bench
+  store`` rows when there are some).
 * ``bench store`` rows of ``store: posix``, ``op: load``: ``ssd_load_gbps`` (the median).
 * ``bench rpc`` rows: ``lookup_rpc_s`` from the smallest ``rpc_p50_us_spin``.
 
@@ -75,16 +77,24 @@ def fit_prefill(points: Sequence[tuple[int, int, float]]) -> tuple[float, float,
     return full[0], 1.0 / full[1], full[2]
 
 
-def fit_load(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+def fit_load(points: Sequence[tuple[float, float]], memcpy_gbps: float | None = None) -> tuple[float, float]:
     """``(fixed_s, gbps)`` fitting ``seconds = fixed + bytes / (gbps * 1e9)`` to ``(bytes,
-    seconds)`` points; with a negative fixed term, or points of one size only, the fixed
-    term is 0 and the bandwidth the median of the points'."""
+    seconds)`` points (least squares). A fit whose per-byte term is below what memory can
+    do (faster than ``memcpy_gbps``, or not growing with bytes) cannot resolve the per-byte
+    cost: the bandwidth is then ``memcpy_gbps`` and the fixed term the median of the rest.
+    A negative fixed term is 0 with the line through the origin. Without ``memcpy_gbps`` an
+    unresolved fit is the median bandwidth of the points, with no fixed term."""
     xs = np.array([b for b, _ in points], float)
     ys = np.array([t for _, t in points], float)
-    if len(points) >= 2 and np.ptp(xs) > 0:
-        slope, fixed = np.polyfit(xs, ys, 1)
-        if slope > 0 and fixed >= 0:
-            return float(fixed), 1.0 / slope / 1e9
+    slope, fixed = np.polyfit(xs, ys, 1) if len(points) >= 2 and np.ptp(xs) > 0 else (0.0, 0.0)
+    floor = 1.0 / (memcpy_gbps * 1e9) if memcpy_gbps else 0.0
+    if slope > floor and fixed >= 0:
+        return float(fixed), 1.0 / slope / 1e9
+    if slope > floor:  # negative intercept: through the origin
+        return 0.0, float((xs * xs).sum() / (xs * ys).sum() / 1e9)
+    if memcpy_gbps:
+        rest = ys - xs * floor
+        return max(0.0, float(np.median(rest))), float(memcpy_gbps)
     return 0.0, statistics.median(load_gbps(b, t) for b, t in points)
 
 
@@ -122,8 +132,10 @@ def calibrate(rows: Sequence[Mapping[str, Any]], overrides: Iterable[str] = ()) 
                     loads.append(
                         (blocks * block_bytes, float(r["ttft_kvfabric_s"]) - cal0.prefill_s(rest, cached))
                     )
+            memcpy = [float(r["memcpy_gbps"]) for r in rows if "memcpy_gbps" in r]
             if loads:
-                found["load_fixed_s"], found["dram_load_gbps"] = fit_load(loads)
+                fixed, gbps = fit_load(loads, statistics.median(memcpy) if memcpy else None)
+                found["load_fixed_s"], found["dram_load_gbps"] = fixed, gbps
     posix = [
         float(r["gbps"]) for r in rows if r.get("store") == "posix" and r.get("op") == "load" and "gbps" in r
     ]
