@@ -262,6 +262,7 @@ class PoolNode:
             unix_path=path,
             tcp=tcp is not None,
             token=self.config.token,
+            insecure=self.config.insecure,
             session_ttl=self.config.session_ttl_s,
         ).start()
         return self.rdv.url

@@ -103,6 +103,9 @@ def _frame(sock: socket.socket) -> list | None:
 
 
 def test_the_rendezvous_server_authenticates_tcp_sessions_with_the_token(tmp_path):
+    with pytest.raises(ValueError, match="needs a token"):
+        RendezvousServer("0.0.0.0", 0)  # reachable from other hosts, no token
+    RendezvousServer("0.0.0.0", 0, insecure=True)  # said so: allowed (not started)
     unix = str(tmp_path / "rdv.sock")
     with RendezvousServer(unix_path=unix, tcp=True, token=TOKEN) as srv:
         with pytest.raises(ValueError, match="requires a token"):

@@ -75,12 +75,19 @@ class RendezvousServer:
         history: int = 65536,
         token: str = "",
         tcp: bool | None = None,
+        insecure: bool = False,
     ) -> None:
-        """``tcp``: listen on ``host``:``port`` too (default: only when no ``unix_path``)."""
+        """``tcp``: listen on ``host``:``port`` too (default: only when no ``unix_path``).
+        TCP on an address other than loopback needs a ``token`` unless ``insecure``."""
         self.host, self.port, self.unix_path = host, int(port), unix_path
         self.tcp = unix_path is None if tcp is None else bool(tcp)
         if not self.tcp and unix_path is None:
             raise ValueError("RendezvousServer: tcp=False needs a unix_path")
+        if self.tcp and not token and not insecure and not _loopback(host):
+            raise ValueError(
+                f"a rendezvous server on {host}:{port} (reachable from other hosts) needs a token, "
+                "or insecure=True to serve without authentication"
+            )
         self._token = token.encode()
         self._challenges: dict[int, bytes] = {}  # TCP session -> challenge, until it authenticates
         self.rules = SilenceRules(session_ttl, probe_grace, max_silence)
@@ -406,6 +413,10 @@ class RendezvousServer:
     _BLOCKING: dict[str, Callable[..., Awaitable[Any]]] = {"get": _get, "watch": _watch}
 
 
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="kvfabric single-node rendezvous store")
     p.add_argument("--host", default="127.0.0.1")
@@ -416,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--grace", type=float, default=None, help="seconds a probe may go unanswered")
     p.add_argument("--max-silence", type=float, default=None, help="longest silence of a live process")
+    p.add_argument("--token", default="", help="shared secret TCP sessions must prove they know")
+    p.add_argument("--insecure", action="store_true", help="allow TCP beyond loopback without a token")
     args = p.parse_args(argv)
     srv = RendezvousServer(
         args.host,
@@ -424,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         session_ttl=args.ttl,
         probe_grace=args.grace,
         max_silence=args.max_silence,
+        token=args.token,
+        insecure=args.insecure,
     )
     srv.start()
     print(srv.url, flush=True)
