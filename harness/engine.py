@@ -169,6 +169,7 @@ def make_engine(
     tokenizer: bool = False,
     in_process: bool = True,
     tensor_parallel_size: int = 1,
+    kv_events: dict[str, Any] | None = None,
 ) -> Engine:
     """Start an engine for ``model`` with ``transfer`` (a kv_transfer_config dict, or None).
 
@@ -181,7 +182,10 @@ def make_engine(
     executor (OpenMP threads not bound to cores: the ranks share this machine's CPUs).
     The scheduler, and its connector, stays in this process when ``in_process``; the
     worker connectors are in the rank processes, so ``worker()`` is None and ``flush``
-    does nothing (closing the engine finishes their dumps)."""
+    does nothing (closing the engine finishes their dumps).
+
+    ``kv_events``: vLLM's ``kv_events_config`` (``{"enable_kv_cache_events": True,
+    "endpoint": ...}``): the engine publishes KV events, kvfabric's among them."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -192,7 +196,7 @@ def make_engine(
         raise RuntimeError(problem)
     from vllm import LLM
     from vllm import envs as vllm_envs
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     # An engine core in this process freezes vLLM's environment (envs.enable_envs_cache);
     # the next engine must read the variables set above, multiprocessing included.
@@ -203,6 +207,8 @@ def make_engine(
     kwargs: dict[str, Any] = {}
     if transfer is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
+    if kv_events is not None:
+        kwargs["kv_events_config"] = KVEventsConfig(**kv_events)
     if tensor_parallel_size > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         kwargs["tensor_parallel_size"] = tensor_parallel_size
