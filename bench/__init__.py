@@ -19,6 +19,7 @@ _BUILTIN: dict[str, str] = {
     "sparse-vllm": "kvfabric.bench.sparse_vllm:run",
     "pool": "kvfabric.bench.pool:run",
     "rpc": "kvfabric.bench.rpc:run",
+    "kv-events": "kvfabric.bench.kv_events:run",
     "store": "kvfabric.bench.store:run",
 }
 BENCHMARKS: Registry = Registry("benchmark", _BUILTIN)

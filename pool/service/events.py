@@ -29,7 +29,9 @@ re-entered objects included) and a subscriber that sees sequence 0 starts over.
 
 Off the RPC path: a hook appends the keys and addresses of one call to an in-memory queue
 (a lock held for the append, nothing else; the queue's first item of a round also writes
-one byte to a pipe that wakes the publisher). The publisher thread takes the queue whole,
+one byte to a pipe that wakes the publisher). The publisher thread gathers what comes
+within ``FLUSH_S`` (5 ms) of its last round (a wake-up per commit would keep taking the
+interpreter from the RPC threads), then takes the queue whole,
 turns it into events (consecutive objects of one window share an event; at most
 ``BATCH_HASHES`` hashes a batch), encodes, sends and keeps each batch for replay; it owns
 both sockets. PUB never blocks (past its high-water mark, 100 000 messages, ZMQ drops for
@@ -65,6 +67,7 @@ from kvfabric.pool.table import SlotState, TableView
 log = logging.getLogger("kvfabric.pool.events")
 
 BATCH_HASHES = 1024  # block hashes per batch at most (a batch of 18-byte ids: ~30 KB)
+FLUSH_S = 0.005  # a round of events gathers what the service reports within 5 ms of the last
 PUB_HWM = 100_000  # ZMQ messages queued per subscriber before ZMQ drops for it
 STORED, REMOVED, CLEARED = 0, 1, 2
 
@@ -287,20 +290,31 @@ class KvEventPublisher:
             poller.register(self._rfd, zmq.POLLIN)
             if replay is not None:
                 poller.register(replay, zmq.POLLIN)
+            flushed = 0.0
             while not self._stop.is_set():
                 ready = dict(poller.poll(500))
-                if self._rfd in ready:
+                try:
+                    if replay is not None and replay in ready:
+                        self._serve_replay(replay, zmq)
+                    if self._rfd not in ready:
+                        continue
+                    # gather what comes within FLUSH_S of the last batch into one round
+                    # (a wake-up per commit would cost the RPC threads the interpreter)
+                    hold = flushed + FLUSH_S - time.monotonic()
+                    if hold > 0 and not self.queue.lost:
+                        if replay is not None and replay.poll(hold * 1000, zmq.POLLIN):
+                            self._serve_replay(replay, zmq)
+                        elif replay is None:
+                            self._stop.wait(hold)
                     try:
                         while os.read(self._rfd, 4096):
                             pass
                     except (BlockingIOError, OSError):
                         pass
-                try:
-                    if replay is not None and replay in ready:
-                        self._serve_replay(replay, zmq)
                     if self.queue.lost:
                         self._snapshot()
                     self._publish(pub, self.queue.take())
+                    flushed = time.monotonic()
                 except Exception:  # a bad cycle must not end the stream
                     log.exception("publishing KV events failed")
                     time.sleep(0.1)
