@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvfabric.cli import main
-from kvfabric.simulate.calibrate import calibrate, fit_prefill
+from kvfabric.simulate.calibrate import calibrate, fit_load, fit_prefill
 from kvfabric.simulate.config import (
     Calibration,
     ClusterConfig,
@@ -219,6 +219,14 @@ def test_fit_prefill_recovers_the_terms():
     pts = [(n, 0, 0.05 + n / 2000 + 1e-7 * n * n / 2) for n in (256, 1024, 4096)]
     base, tps, attn = fit_prefill(pts)
     assert (base, tps, attn) == (pytest.approx(0.05), pytest.approx(2000), pytest.approx(1e-7))
+
+
+def test_fit_load_line_and_unresolved_per_byte_cost():
+    line = [(b, 0.1 + b / 2e9) for b in (1e6, 4e6, 9e6)]
+    assert fit_load(line) == (pytest.approx(0.1), pytest.approx(2.0))
+    falling = [(1e6, 1.0), (2e6, 0.95), (3e6, 0.9)]  # noise: the time does not grow with bytes
+    fixed, gbps = fit_load(falling, memcpy_gbps=0.1)  # 10 ms a MB
+    assert gbps == 0.1 and fixed == pytest.approx(0.95 - 0.02)
 
 
 def test_calibrate_from_bench_rows_and_what_is_missing():
