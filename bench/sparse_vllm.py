@@ -1,6 +1,12 @@
 """``kvfabric bench sparse-vllm [--quick] [--json]``: kvfabric's sparse attention backend
 inside a vLLM engine (CPU build), against the stock backend in the same run.
 
+What runs can be narrowed with ``KVFABRIC_BENCH_SPARSE_VLLM`` (JSON, :class:`RunConfig`):
+``{"cases": ["tiny"]}`` (the tiny Llama only; ``"smollm2"`` the passkey groups only),
+``tiny_context`` / ``tiny_prompts``, ``smollm2_contexts`` / ``smollm2_prompts``,
+``methods`` (sparse registry names) and ``options`` (more keys for every sparse engine's
+``KVFABRIC_SPARSE``; rows then carry them and are not ``"default"``).
+
 Engines are built one at a time with :func:`kvfabric.harness.engine.make_engine` (in
 process, eager, float32, 32-token blocks, prefix cache off); the sparse engine gets its
 configuration through ``KVFABRIC_SPARSE`` (``algorithm``, ``budget_tokens``, ``stats_path``;
@@ -192,6 +198,51 @@ def _say(msg: str) -> None:
     print(f"[sparse-vllm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class RunConfig:
+    """What :func:`run` measures (``KVFABRIC_BENCH_SPARSE_VLLM``, see the module docstring)."""
+
+    cases: tuple[str, ...] = ("tiny", "smollm2")
+    tiny_context: int = TINY_CONTEXT
+    tiny_prompts: int = 8
+    smollm2_contexts: tuple[int, ...] | None = None  # None: 4,300 and 7,500 (--quick: 4,300)
+    smollm2_prompts: int = 8
+    methods: tuple[str, ...] | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.cases) - {"tiny", "smollm2"})
+        if bad:
+            raise ValueError(f"KVFABRIC_BENCH_SPARSE_VLLM cases {bad}: expected tiny, smollm2")
+        for key in ("tiny_context", "tiny_prompts", "smollm2_prompts"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"KVFABRIC_BENCH_SPARSE_VLLM {key}={v!r}: expected an integer >= 1")
+
+    @classmethod
+    def from_env(cls) -> RunConfig:
+        raw = os.environ.get("KVFABRIC_BENCH_SPARSE_VLLM", "").strip()
+        if not raw:
+            return cls()
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("KVFABRIC_BENCH_SPARSE_VLLM must be a JSON object")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"KVFABRIC_BENCH_SPARSE_VLLM: unknown keys {unknown}; known: {sorted(known)}")
+        for key in ("cases", "smollm2_contexts", "methods"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
+        if "options" in data:
+            data["options"] = tuple(sorted(dict(data["options"]).items()))
+        return cls(**data)
+
+
+#: sparse options every sparse engine of this run gets besides the method and budget
+_EXTRA_OPTIONS: dict[str, Any] = {}
+
+
 class _Sparse:
     """``KVFABRIC_SPARSE`` set for the engines built inside (None: the stock backend)."""
 
@@ -199,7 +250,7 @@ class _Sparse:
         self.cfg = (
             None
             if method is None
-            else {"algorithm": method, "budget_tokens": budget, "stats_path": str(stats)}
+            else {**_EXTRA_OPTIONS, "algorithm": method, "budget_tokens": budget, "stats_path": str(stats)}
         )
         self.prev: str | None = None
 
@@ -354,7 +405,8 @@ def _row(
         "budget": budget,
         "batch": batch,
         "method": method,
-        "default": method == "gsa",
+        "default": method == "gsa" and not _EXTRA_OPTIONS,
+        "options": dict(_EXTRA_OPTIONS) or None,
         "step_ms": None,
         "dense_step_ms": None,
         "speedup_vs_dense": None,
@@ -480,22 +532,27 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     problem = vllm_problem()
     if problem:
         raise RuntimeError(problem)
-    methods = tuple(ctx.options.get("methods") or METHODS)
+    rc = RunConfig.from_env()
+    methods = tuple(ctx.options.get("methods") or rc.methods or METHODS)
+    _EXTRA_OPTIONS.clear()
+    _EXTRA_OPTIONS.update(dict(rc.options))
     tok = Tokenizer()
-    contexts = {4300: 8} if ctx.quick else {4300: 8, 7500: 8}
+    contexts = rc.smollm2_contexts or ((4300,) if ctx.quick else (4300, 7500))
     groups = []
-    for i, (n, count) in enumerate(contexts.items()):
-        pks = [build_prompt(tok, s) for s in prompt_specs(n, count, offset=100 * i)]
-        groups.append(
-            Group("smollm2", n, 1024, tuple(tuple(p.ids) for p in pks), tuple(p.answer for p in pks))
-        )
+    if "smollm2" in rc.cases:
+        for i, n in enumerate(contexts):
+            pks = [build_prompt(tok, s) for s in prompt_specs(n, rc.smollm2_prompts, offset=100 * i)]
+            groups.append(
+                Group("smollm2", n, 1024, tuple(tuple(p.ids) for p in pks), tuple(p.answer for p in pks))
+            )
     rng = random.Random(0)
-    tiny = tuple(tuple(rng.randrange(1, 512) for _ in range(TINY_CONTEXT)) for _ in range(8))
+    n = rc.tiny_context
+    tiny = tuple(tuple(rng.randrange(1, 512) for _ in range(n)) for _ in range(rc.tiny_prompts))
     with tempfile.TemporaryDirectory(prefix="kvf-sparse-vllm-") as work:
-        yield from group_rows(
-            [Group("tiny-llama", TINY_CONTEXT, 2048, tiny, None)], methods, 12, 12, Path(work)
-        )
-        yield from group_rows(groups, methods, NEW_TOKENS, 12, Path(work), tok)
+        if "tiny" in rc.cases:
+            yield from group_rows([Group("tiny-llama", n, 2048, tiny, None)], methods, 12, 12, Path(work))
+        if groups:
+            yield from group_rows(groups, methods, NEW_TOKENS, 12, Path(work), tok)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kvfabric.ucm_layer.sparse.base import ModelSpec
+from kvfabric.ucm_layer.sparse.base import LayerKV, ModelSpec
 from kvfabric.ucm_layer.sparse.vllm.config import SparseBackendConfig, from_mapping
 from kvfabric.ucm_layer.sparse.vllm.rewrite import fold_heads, pack_rows, replace_rows, union_rows
 from kvfabric.ucm_layer.sparse.vllm.runtime import SparseRuntime, layer_index
@@ -114,44 +114,55 @@ def test_folded_rows_with_every_block_equal_the_stock_dense_call() -> None:
     assert bt.shape == (H, 7) and seq.tolist() == [tokens] * H
 
 
-def _runtime(tmp_path, idle_steps: int = 32, **options) -> SparseRuntime:
+def _runtime(tmp_path, idle_steps: int = 32, batched: bool = True, **options) -> SparseRuntime:
     cfg = from_mapping(
         {"algorithm": "gsa", "stats_path": str(tmp_path / "stats.json"), "min_seq_len": 0, **options}
     )
     spec = ModelSpec(num_layers=2, num_q_heads=H * G, num_kv_heads=H, head_dim=D, block_size=BS)
-    return SparseRuntime(cfg, spec, idle_steps=idle_steps)
+    return SparseRuntime(cfg, spec, idle_steps=idle_steps, batched=batched)
 
 
-def _step(rt: SparseRuntime, table: torch.Tensor, seqs: list[int], news: list[int]):
+def _kv(num_blocks: int = 64) -> LayerKV:
+    return LayerKV(torch.zeros(H, num_blocks, BS, D), torch.zeros(H, num_blocks, BS, D))
+
+
+def _step(
+    rt: SparseRuntime, table: torch.Tensor, seqs: list[int], news: list[int], kv: LayerKV | None = None
+):
     qsl = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32)
     md = object()
-    plan = rt.plan(md, table, torch.tensor(seqs, dtype=torch.int32), qsl)
+    kv = _kv() if kv is None else kv
+    plan = rt.plan(md, table, torch.tensor(seqs, dtype=torch.int32), qsl, kv.num_blocks)
     n = int(qsl[-1])
     q, k, v = torch.randn(n, H * G, D), torch.randn(n, H, D), torch.randn(n, H, D)
     chosen = []
     for layer in range(2):
         if plan is None:
             break
-        chosen.append(rt.layer_begin(plan, layer, (q, k, v), kv=None))
-        rt.layer_end(plan, layer, torch.zeros(n, H * G, D), kv=None)
+        chosen.append(rt.layer_begin(plan, layer, (q, k, v), kv))
+        rt.layer_end(plan, layer, torch.zeros(n, H * G, D), kv)
     return plan, chosen
 
 
-def test_runtime_tracks_requests_by_their_first_block_and_goes_sparse_past_the_budget(tmp_path) -> None:
-    rt = _runtime(tmp_path, budget_tokens=4 * BS, sink_blocks=1, recent_blocks=1)
+@pytest.mark.parametrize("batched", [True, False])
+def test_runtime_tracks_requests_by_their_first_block_and_goes_sparse_past_the_budget(
+    tmp_path, batched
+) -> None:
+    rt = _runtime(tmp_path, batched=batched, budget_tokens=4 * BS, sink_blocks=1, recent_blocks=1)
+    assert (rt.paged is not None) == batched
     table = torch.arange(40, dtype=torch.int32).view(2, 20)
     prompt = 10 * BS + 5
     plan, chosen = _step(rt, table[:1], [prompt], [prompt])  # prefill: dense
-    assert plan is not None and chosen == [{}, {}]
+    assert plan is not None and chosen == [None, None]
     plan, chosen = _step(rt, table[:1], [prompt + 1], [1])  # decode past the budget: sparse
     assert plan.rows == [0]
     for sel in chosen:
-        blocks, lens = sel[0]
+        blocks, lens = sel.physical[0], sel.lens[0]
         assert blocks.shape == (H, 4) and int(lens[0].sum()) == 3 * BS + 6
         assert set(blocks[:, 0].tolist()) == {0} and set(blocks[:, -1].tolist()) == {10}  # sink, recent
     # a row whose first new position does not match what the plugin saw stays dense
     plan, chosen = _step(rt, table, [prompt + 2, 3 * BS + 1], [1, 1])
-    assert plan.rows == [0] and set(chosen[0]) == {0}
+    assert plan.rows == [0] and chosen[0].rows == (0,)
     # a new prefill from position 0 on the same first block replaces the finished request
     plan, chosen = _step(rt, table[:1], [2 * BS], [2 * BS])
     assert rt.stats.requests == 2 and len(rt._by_block) == 1
@@ -165,7 +176,7 @@ def test_runtime_keeps_short_contexts_dense(tmp_path) -> None:
     table = torch.arange(20, dtype=torch.int32).view(1, 20)
     _step(rt, table, [6 * BS], [6 * BS])
     plan, chosen = _step(rt, table, [6 * BS + 1], [1])
-    assert plan is not None and chosen == [{}, {}]
+    assert plan is not None and chosen == [None, None]
     assert rt.snapshot()["dense_layer_steps"] == 2 and rt.snapshot()["sparse_layer_steps"] == 0
 
 

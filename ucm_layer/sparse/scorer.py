@@ -240,6 +240,26 @@ class RowMaxScorer(BlockScorer):
         """``(H, G, row_width)`` weights whose product with the summaries ranks blocks."""
         return self.query_weights(q)
 
+    # The same rows and weights for many requests at once (``sparse.paged``): ``params`` is
+    # what one fitted request's rows depend on (``batch_params()``, stacked over requests
+    # as a leading dimension), keys/queries carry the same leading dimension. A scorer
+    # whose rows depend on nothing fitted keeps these defaults.
+    def batch_params(self) -> torch.Tensor | None:
+        """The fitted request's parameters its rows and weights depend on (None: none)."""
+        return None
+
+    def rows_with(self, keys: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        """``key_rows`` of ``keys (..., H, n, D)`` for requests with ``params``."""
+        return self.key_rows(keys)
+
+    def bound_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        """``query_weights`` of ``q (..., H, G, D)`` for requests with ``params``."""
+        return self.query_weights(q)
+
+    def ranking_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        """``ranking_weights`` of ``q (..., H, G, D)`` for requests with ``params``."""
+        return self.ranking_weights(q)
+
     def _columns(self) -> torch.Tensor:
         """``(H, row_width, nb)``: the summaries, one column per block (a view)."""
         if self._cols is None:

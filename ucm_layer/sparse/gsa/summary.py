@@ -185,34 +185,55 @@ class SvdMaxNormScorer(RowMaxScorer):
             self._assign = torch.nn.functional.one_hot(group, self.groups).to(keys.dtype)
         super()._fit(keys)
 
-    def _residual_norms(self, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """``(..., groups)`` norms of the residual of ``x`` in each residual subspace."""
+    def _residual_norms(
+        self, x: torch.Tensor, p: torch.Tensor, basis: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``(..., groups)`` norms of the residual of ``x`` in each residual subspace
+        (``basis``: the fitted one unless given, ``groups == 1`` only)."""
         if self.groups == 1:
-            return (x - torch.matmul(p, self._basis().transpose(1, 2))).norm(dim=-1, keepdim=True)
+            u = self._basis() if basis is None else basis
+            return (x - torch.matmul(p, u.transpose(-1, -2))).norm(dim=-1, keepdim=True)
         if self.complement is None or self._assign is None:
             raise ValueError("the scorer has no residual basis yet: call fit() first")
         c = torch.matmul(x, self.complement)
         return torch.matmul(c * c, self._assign).sqrt()
 
     def key_rows(self, keys: torch.Tensor) -> torch.Tensor:
-        p = torch.matmul(keys, self._basis())  # (H, n, r)
-        tau = keys.norm(dim=-1, keepdim=True) * self.margin
-        return torch.cat([p + tau, tau - p, self._residual_norms(keys, p) + tau], dim=-1)
+        return self.rows_with(keys, None)
 
     def query_weights(self, q: torch.Tensor) -> torch.Tensor:
         """``(H, G, 2r + groups)``: ``[p+, p-, |q_res| per group]`` for ``q (H, G, D)`` (the bound)."""
-        p = torch.matmul(q, self._basis())
-        return torch.cat([p.clamp(min=0), (-p).clamp(min=0), self._residual_norms(q, p)], dim=-1)
+        return self.bound_weights_with(q, None)
 
     def ranking_weights(self, q: torch.Tensor) -> torch.Tensor:
         """The bound's weights, or with ``select="estimate"`` those of the estimate (see the
         module docstring)."""
+        return self.ranking_weights_with(q, None)
+
+    # ``params`` is a basis ``(..., H, D, r)`` (None: the fitted one); batched use needs
+    # ``residual_groups == 1`` (``batch_params`` refuses otherwise).
+    def batch_params(self) -> torch.Tensor:
+        if self.groups != 1:
+            raise ValueError("gsa: batched scoring needs residual_groups = 1")
+        return self._basis()
+
+    def rows_with(self, keys: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        u = self._basis() if params is None else params
+        p = torch.matmul(keys, u)  # (..., H, n, r)
+        tau = keys.norm(dim=-1, keepdim=True) * self.margin
+        return torch.cat([p + tau, tau - p, self._residual_norms(keys, p, params) + tau], dim=-1)
+
+    def bound_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        p = torch.matmul(q, self._basis() if params is None else params)
+        return torch.cat([p.clamp(min=0), (-p).clamp(min=0), self._residual_norms(q, p, params)], dim=-1)
+
+    def ranking_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
         if self.select == "bound":
-            return self.query_weights(q)
+            return self.bound_weights_with(q, params)
         # "estimate", and "mixed" (the estimate ranks, the bound picks bound_share first)
-        p = torch.matmul(q, self._basis())
+        p = torch.matmul(q, self._basis() if params is None else params)
         a = p.abs() * self.spread
-        res = self._residual_norms(q, p) * self.residual
+        res = self._residual_norms(q, p, params) * self.residual
         return torch.cat([(a + p) * 0.5, (a - p) * 0.5, res], dim=-1)
 
 

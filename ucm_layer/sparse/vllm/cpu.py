@@ -23,8 +23,9 @@ from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from kvfabric.ucm_layer.sparse.base import LayerKV
-from kvfabric.ucm_layer.sparse.vllm.impl import LayerCall, Selections, SparseImplMixin
+from kvfabric.ucm_layer.sparse.vllm.impl import LayerCall, SparseImplMixin
 from kvfabric.ucm_layer.sparse.vllm.rewrite import fold_cache, fold_heads
+from kvfabric.ucm_layer.sparse.vllm.runtime import LayerSelection
 
 
 def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,10 +55,110 @@ def paged_attention(
     """vLLM's CPU kernel over ``block_table (R, n)`` / ``seq_lens (R,)`` (int32), writing
     ``output`` (shaped like ``query``: ``(tokens, heads, D)``); the scheduler metadata is
     built here for these rows (heads from ``query``, KV heads from ``key_cache``)."""
-    md = ops.cpu_attn_get_scheduler_metadata(
+    md = scheduler_metadata(
+        query, int(key_cache.shape[1]), seq_lens, query_start_loc, isa, causal, kv_cache_dtype
+    )
+    run_kernel(
+        query,
+        key_cache,
+        value_cache,
+        output,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        scale,
+        md,
+        causal=causal,
+        softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+
+
+def fold_query(query: torch.Tensor, h: int) -> torch.Tensor:
+    """``(S, Hq, D)`` decode queries -> ``(S * H, G, D)``: sequence ``s * H + h`` is request
+    ``s``'s KV head ``h`` with its ``G`` query heads (a view)."""
+    s, hq, d = query.shape
+    return query.reshape(s * h, hq // h, d)
+
+
+def fold_physical(physical: torch.Tensor) -> torch.Tensor:
+    """Per-head physical blocks ``(S, H, k)`` -> the folded one-head cache's block table
+    ``(S * H, k)`` int32 (block ``b`` of head ``h`` is ``b * H + h``), order kept."""
+    s, h, k = physical.shape
+    heads = torch.arange(h, device=physical.device, dtype=physical.dtype).view(1, h, 1)
+    return (physical * h + heads).reshape(s * h, k).to(torch.int32)
+
+
+def sparse_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    isa: str,
+    kernel_lens: torch.Tensor | None = None,
+    memo: dict[Any, Any] | None = None,
+    **kernel: Any,
+) -> torch.Tensor:
+    """Decode attention of ``S`` requests, one token each: ``query (S, Hq, D)``, per-KV-head
+    physical blocks ``tables`` and valid lengths ``lens`` ``(S, H, k)`` (length 0: unused
+    entry), caches ``(num_blocks, H, block_size, D)`` views. Returns ``(S, Hq, D)``: every
+    query head attends to exactly the tokens of its KV head's selected blocks.
+
+    ``kernel_lens (S * H,)`` int32: the folded sequences' lengths when every head's entries
+    are full blocks with the partial one last (then ``lens`` is not read and no sort is
+    needed); ``memo``: a per-step dict where the kernel's scheduler metadata is kept for
+    the next call with the same ``kernel_lens`` object (the layers of one step)."""
+    s, hq, d = query.shape
+    h = int(key_cache.shape[1])
+    if tables.shape[:2] != (s, h):
+        raise ValueError(f"tables {tuple(tables.shape)} must be (requests={s}, kv heads={h}, k)")
+    if kernel_lens is not None:
+        block_table, seq_lens = fold_physical(tables), kernel_lens
+    else:
+        block_table, seq_lens = fold_heads(tables, lens)
+    q = fold_query(query, h)
+    out = torch.empty_like(q)
+    key = ("sparse", id(kernel_lens), s * h, hq // h, d, q.dtype)
+    md = memo.get(key) if memo is not None and kernel_lens is not None else None
+    if md is None:
+        qsl = torch.arange(s * h + 1, dtype=torch.int32, device=query.device)
+        md = (qsl, scheduler_metadata(q, 1, seq_lens, qsl, isa, True, kernel.get("kv_cache_dtype", "auto")))
+        if memo is not None and kernel_lens is not None:
+            memo[key] = md
+    run_kernel(
+        q,
+        fold_cache(key_cache),
+        fold_cache(value_cache),
+        out,
+        md[0],
+        seq_lens,
+        block_table,
+        scale,
+        md[1],
+        **kernel,
+    )
+    return out.view(s, hq, d)
+
+
+def scheduler_metadata(
+    query: torch.Tensor,
+    num_kv_heads: int,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    isa: str,
+    causal: bool,
+    kv_cache_dtype: str = "auto",
+) -> torch.Tensor:
+    """vLLM's CPU scheduler metadata for these rows (depends on the lengths and shapes only,
+    so the layers of one step can share it)."""
+    return ops.cpu_attn_get_scheduler_metadata(
         int(seq_lens.numel()),
         int(query.shape[1]),
-        int(key_cache.shape[1]),
+        num_kv_heads,
         int(query.shape[2]),
         seq_lens,
         query.dtype,
@@ -68,6 +169,25 @@ def paged_attention(
         envs.VLLM_CPU_ATTN_SPLIT_KV,
         kv_cache_dtype=kv_cache_dtype,
     )
+
+
+def run_kernel(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    output: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    md: torch.Tensor,
+    causal: bool = True,
+    softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
+) -> None:
+    """vLLM's CPU kernel with precomputed scheduler metadata ``md``."""
     ops.cpu_attention_with_kv_cache(
         query=query,
         key_cache=key_cache,
@@ -87,43 +207,6 @@ def paged_attention(
         v_scale=v_scale,
         kv_cache_dtype=kv_cache_dtype,
     )
-
-
-def sparse_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    tables: torch.Tensor,
-    lens: torch.Tensor,
-    scale: float,
-    isa: str,
-    **kernel: Any,
-) -> torch.Tensor:
-    """Decode attention of ``S`` requests, one token each: ``query (S, Hq, D)``, per-KV-head
-    physical blocks ``tables`` and valid lengths ``lens`` ``(S, H, k)`` (length 0: unused
-    entry), caches ``(num_blocks, H, block_size, D)`` views. Returns ``(S, Hq, D)``: every
-    query head attends to exactly the tokens of its KV head's selected blocks."""
-    s, hq, d = query.shape
-    h = int(key_cache.shape[1])
-    if tables.shape[:2] != (s, h):
-        raise ValueError(f"tables {tuple(tables.shape)} must be (requests={s}, kv heads={h}, k)")
-    block_table, seq_lens = fold_heads(tables, lens)
-    q = query.reshape(s * h, hq // h, d)
-    out = torch.empty_like(q)
-    qsl = torch.arange(s * h + 1, dtype=torch.int32, device=query.device)
-    paged_attention(
-        q,
-        fold_cache(key_cache),
-        fold_cache(value_cache),
-        out,
-        qsl,
-        seq_lens,
-        block_table,
-        scale,
-        isa,
-        **kernel,
-    )
-    return out.view(s, hq, d)
 
 
 def pad_selections(
@@ -150,7 +233,10 @@ class KVFabricCPUSparseImpl(SparseImplMixin, CPUAttentionBackendImpl):
         k, v = split_cache(kv_cache)
         return LayerKV(k.transpose(0, 1), v.transpose(0, 1))
 
-    def _forward_sparse(self, call: LayerCall, chosen: Selections) -> None:
+    def _num_blocks(self, kv_cache: torch.Tensor) -> int:
+        return int(kv_cache.shape[0])
+
+    def _forward_sparse(self, call: LayerCall, chosen: LayerSelection) -> None:
         k, v = split_cache(call.kv_cache)
         md = call.metadata
         self._forward_split(call.layer, call.query[: md.num_actual_tokens], k, v, md, call.output, chosen)
@@ -163,47 +249,84 @@ class KVFabricCPUSparseImpl(SparseImplMixin, CPUAttentionBackendImpl):
         value_cache: torch.Tensor,
         md: Any,
         output: torch.Tensor,
-        sparse: Selections,
+        sparse: LayerSelection,
     ) -> None:
         """Sparse rows through :func:`sparse_decode`, the other rows through the kernel over
-        their own block-table rows; both write into ``output``."""
+        their own block-table rows; both write into ``output``. What depends only on the
+        step (the other rows' tables and the kernels' scheduler metadata) is kept in the
+        step's memo ``sparse.cache``."""
         n = query.shape[0]
         out = output[:n].view(n, self.num_heads, self.head_size)
-        qsl = md.query_start_loc.tolist()
         kernel = dict(
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype
         )
-        rows = sorted(sparse)
-        tok = torch.tensor([qsl[i] for i in rows], dtype=torch.int64)
-        tables, lens = pad_selections([sparse[i] for i in rows])
+        s = len(sparse.rows)
+        tok = sparse.token_index
+        q = query[:s] if sparse.identity else query.index_select(0, tok)
         res = sparse_decode(
-            query.index_select(0, tok), key_cache, value_cache, tables, lens, self.scale, layer.isa, **kernel
+            q,
+            key_cache,
+            value_cache,
+            sparse.physical,
+            sparse.lens,
+            self.scale,
+            layer.isa,
+            kernel_lens=sparse.kernel_lens,
+            memo=sparse.cache,
+            **kernel,
         )
-        out.index_copy_(0, tok, res)
-        dense = [i for i in range(len(qsl) - 1) if i not in sparse and qsl[i + 1] > qsl[i]]
-        if not dense:
+        if sparse.identity:
+            out[:s] = res
+        else:
+            out.index_copy_(0, tok, res)
+        key = ("dense", sparse.rows)
+        dense = sparse.cache.get(key)
+        if dense is None:
+            dense = sparse.cache[key] = self._dense_rows(query, md, set(sparse.rows), layer.isa)
+        if dense == ():
             return
-        dtok = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in dense])
-        counts = torch.tensor([qsl[i + 1] - qsl[i] for i in dense], dtype=torch.int32)
-        sub_qsl = torch.zeros(len(dense) + 1, dtype=torch.int32)
-        torch.cumsum(counts, 0, out=sub_qsl[1:])
-        rows_t = torch.tensor(dense, dtype=torch.int64)
+        dtok, sub_qsl, seq_lens, table, sched = dense
         sub_out = torch.empty((dtok.numel(), self.num_heads, self.head_size), dtype=query.dtype)
-        paged_attention(
+        run_kernel(
             query.index_select(0, dtok),
             key_cache,
             value_cache,
             sub_out,
             sub_qsl,
-            md.seq_lens.index_select(0, rows_t),
-            md.block_table.index_select(0, rows_t),
+            seq_lens,
+            table,
             self.scale,
-            layer.isa,
+            sched,
             causal=md.causal,
             softcap=self.logits_soft_cap,
             **kernel,
         )
         out.index_copy_(0, dtok, sub_out)
+
+    def _dense_rows(self, query: torch.Tensor, md: Any, sparse: set[int], isa: str) -> tuple[Any, ...]:
+        """The step's rows that are not sparse: their tokens, query_start_loc, lengths, block
+        table rows and scheduler metadata (``()``: none)."""
+        qsl = md.query_start_loc.tolist()
+        dense = [i for i in range(len(qsl) - 1) if i not in sparse and qsl[i + 1] > qsl[i]]
+        if not dense:
+            return ()
+        dtok = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in dense])
+        counts = torch.tensor([qsl[i + 1] - qsl[i] for i in dense], dtype=torch.int32)
+        sub_qsl = torch.zeros(len(dense) + 1, dtype=torch.int32)
+        torch.cumsum(counts, 0, out=sub_qsl[1:])
+        rows_t = torch.tensor(dense, dtype=torch.int64)
+        seq_lens = md.seq_lens.index_select(0, rows_t)
+        table = md.block_table.index_select(0, rows_t)
+        sched = scheduler_metadata(
+            query.view(query.shape[0], self.num_heads, self.head_size),
+            self.num_kv_heads,
+            seq_lens,
+            sub_qsl,
+            isa,
+            md.causal,
+            self.kv_cache_dtype,
+        )
+        return dtok, sub_qsl, seq_lens, table, sched
 
 
 class KVFabricCPUBackend(CPUAttentionBackend):
@@ -214,4 +337,11 @@ class KVFabricCPUBackend(CPUAttentionBackend):
         return KVFabricCPUSparseImpl
 
 
-__all__ = ["KVFabricCPUBackend", "KVFabricCPUSparseImpl", "paged_attention", "sparse_decode", "split_cache"]
+__all__ = [
+    "KVFabricCPUBackend",
+    "KVFabricCPUSparseImpl",
+    "fold_physical",
+    "paged_attention",
+    "sparse_decode",
+    "split_cache",
+]

@@ -22,8 +22,9 @@ import torch
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
 from kvfabric.ucm_layer.sparse.base import LayerKV
-from kvfabric.ucm_layer.sparse.vllm.impl import LayerCall, Selections, SparseImplMixin
+from kvfabric.ucm_layer.sparse.vllm.impl import LayerCall, SparseImplMixin
 from kvfabric.ucm_layer.sparse.vllm.rewrite import replace_rows
+from kvfabric.ucm_layer.sparse.vllm.runtime import LayerSelection
 
 
 class KVFabricFlashSparseImpl(SparseImplMixin, FlashAttentionImpl):
@@ -42,9 +43,13 @@ class KVFabricFlashSparseImpl(SparseImplMixin, FlashAttentionImpl):
         k, v = kv_cache.unbind(0)  # (num_blocks, block_size, H, D)
         return LayerKV(k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3))
 
-    def _forward_sparse(self, call: LayerCall, chosen: Selections) -> None:
+    def _num_blocks(self, kv_cache: torch.Tensor) -> int:
+        return int(kv_cache.shape[1])
+
+    def _forward_sparse(self, call: LayerCall, chosen: LayerSelection) -> None:
         md = call.metadata
-        bt, sl = replace_rows(md.block_table, md.seq_lens, chosen)
+        rows = {r: (chosen.physical[j], chosen.lens[j]) for j, r in enumerate(chosen.rows)}
+        bt, sl = replace_rows(md.block_table, md.seq_lens, rows)
         sparse_md = dataclasses.replace(md, block_table=bt, seq_lens=sl, scheduler_metadata=None)
         FlashAttentionImpl.forward(
             self, call.layer, call.query, call.key, call.value, call.kv_cache, sparse_md, call.output

@@ -22,11 +22,9 @@ import torch
 
 from kvfabric.ucm_layer.sparse.base import LayerKV, ModelSpec
 from kvfabric.ucm_layer.sparse.vllm.config import SparseBackendConfig, from_vllm_config
-from kvfabric.ucm_layer.sparse.vllm.runtime import SparseRuntime, layer_index, runtime_for
+from kvfabric.ucm_layer.sparse.vllm.runtime import LayerSelection, SparseRuntime, layer_index, runtime_for
 
 log = logging.getLogger("kvfabric.sparse")
-
-Selections = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -101,8 +99,12 @@ class SparseImplMixin:
         """The layer's cache as ``(H, num_blocks, block_size, D)`` views (for the plugin)."""
         raise NotImplementedError
 
-    def _forward_sparse(self, call: LayerCall, chosen: Selections) -> None:
-        """Attention of ``call``'s batch with rows ``chosen`` reading their selections,
+    def _num_blocks(self, kv_cache: torch.Tensor) -> int:
+        """Physical blocks of the layer's cache."""
+        raise NotImplementedError
+
+    def _forward_sparse(self, call: LayerCall, chosen: LayerSelection) -> None:
+        """Attention of ``call``'s batch with rows ``chosen.rows`` reading their selections,
         written into ``call.output``."""
         raise NotImplementedError
 
@@ -129,7 +131,7 @@ class SparseImplMixin:
             and output_block_scale is None
             and getattr(md, "dynamic_causal", None) is None
         ):
-            plan = rt.plan(md, md.block_table, md.seq_lens, md.query_start_loc)
+            plan = rt.plan(md, md.block_table, md.seq_lens, md.query_start_loc, self._num_blocks(kv_cache))
         if plan is None:
             return self.stock_impl.forward(
                 self, layer, query, key, value, kv_cache, md, output, output_scale, output_block_scale
@@ -140,7 +142,7 @@ class SparseImplMixin:
         q, k, v = query[:n], key[:n], value[:n]
         cache = self._cache_views(kv_cache)
         chosen = rt.layer_begin(plan, self._layer, (q, k, v), cache)
-        if chosen:
+        if chosen is not None:
             self._forward_sparse(LayerCall(layer, query, key, value, kv_cache, md, output), chosen)
         else:
             self.stock_impl.forward(self, layer, query, key, value, kv_cache, md, output)
@@ -148,4 +150,4 @@ class SparseImplMixin:
         return output
 
 
-__all__ = ["LayerCall", "Selections", "SparseImplMixin"]
+__all__ = ["LayerCall", "SparseImplMixin"]

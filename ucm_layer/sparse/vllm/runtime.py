@@ -12,13 +12,27 @@ the paged cache):
     plugin's :class:`StepBatch` / :class:`AttentionMetadata` and calls
     ``build_sparse_meta`` (the adaptive dense/sparse switch). Returns None when no
     request is managed (the impl then runs the wrapped kernel untouched).
-``layer_begin(plan, l, (query, key, value))``
-    ``attention_begin`` with the managed requests' tokens (the plugin appends the new keys
-    to its block summaries, per KV head); returns, for every request the plugin put in
-    sparse mode, its per-head ``(H, k)`` physical blocks and valid lengths.
-``layer_end(plan, l, output)``
-    ``attention_finished`` (restores the plugin's view, selects ahead if configured); after
-    the last layer, ``execute_finished`` and the stats file.
+``layer_begin(plan, l, (query, key, value), kv)``
+    the plugin's summaries take the step's new keys, per KV head; returns a
+    :class:`LayerSelection` (the sparse rows' per-head ``(S, H, k)`` physical blocks and
+    valid lengths) or None when no row is sparse in this layer.
+``layer_end(plan, l, output, kv)``
+    after the last layer: the end of the step (stats file).
+
+Two ways to drive the plugin, chosen once (``paged_support``):
+
+batched (``sparse.paged.PagedSelector``: every block-sparse algorithm without
+``select_ahead``/offload)
+    the step's rows are classified once in ``plan`` (prompts to fit, decode rows, the rows
+    that select and their padded block tables, ``paged.SparseRows``); per layer one
+    batched summary update for every decoding row and one batched selection (a few tensor
+    operations, no loop over requests, heads or blocks). The summaries are keyed by
+    physical block; before a step, every block a continuing row's state has seen must
+    still be owned by that state (``owner``, one gather per step), or the row runs dense
+    and the state is dropped (``identity_mismatch``).
+hooks (any other ``UcmSparseBase`` plugin)
+    ``build_sparse_meta`` / ``attention_begin`` / ``attention_finished`` /
+    ``execute_finished`` per step and layer, per request, as the contract says.
 
 Request identity: vLLM hands an attention backend no request ids (neither the forward
 context nor the metadata carry them), so a request is keyed by its block-table row: the
@@ -53,6 +67,7 @@ from kvfabric.ucm_layer.sparse.base import (
     UcmSparseBase,
     create,
 )
+from kvfabric.ucm_layer.sparse.paged import PagedSelector, SparseRows, paged_support
 from kvfabric.ucm_layer.sparse.vllm import timing
 from kvfabric.ucm_layer.sparse.vllm.config import SparseBackendConfig
 
@@ -68,6 +83,36 @@ class _Tracked:
     first_block: int
     tokens: int = 0  # tokens the plugin has seen (keys appended)
     last_step: int = 0
+    slot: int = -1  # the batched selector's slot
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """The rows of one layer that read a selection: vLLM ``rows`` (ascending), the token
+    of each (``token_index (S,)`` int64; ``identity``: the tokens are ``0..S-1``), per-head
+    ``physical (S, H, k)`` blocks and ``lens (S, H, k)`` valid tokens (0: unused entry).
+    ``kernel_lens`` ``(S * H,)`` int32, when not None, are the folded sequences' lengths,
+    the same object for every layer of the step, with the partial block last in every head
+    (``paged.SparseRows.tail_last``); ``cache`` is the step's memo for the impl."""
+
+    rows: tuple[int, ...]
+    token_index: torch.Tensor
+    identity: bool
+    physical: torch.Tensor
+    lens: torch.Tensor
+    kernel_lens: torch.Tensor | None
+    cache: dict[Any, Any]
+
+
+@dataclass
+class _Group:
+    """Sparse decode rows of one step sharing a block count (``paged.SparseRows``)."""
+
+    rows: list[int]  # vLLM rows
+    tokens: torch.Tensor  # their tokens
+    identity: bool
+    sparse: SparseRows
+    kernel_lens: torch.Tensor | None
 
 
 @dataclass
@@ -78,10 +123,24 @@ class StepPlan:
     rows: list[int]  # vLLM batch rows managed, in plugin batch order
     token_index: torch.Tensor | None  # the managed rows' tokens (None: every token, in order)
     decode_rows: int  # vLLM rows decoding this step (managed or not)
-    attn: AttentionMetadata
-    meta: SparseMeta
+    attn: AttentionMetadata | None
+    meta: SparseMeta | None
     done: bool = False
     tokens: tuple[Any, ...] = ()  # the managed rows' query, key, value of the current layer
+    # batched mode
+    block_table: Any = None
+    fits: list[tuple[int, int, int, int]] = field(default_factory=list)  # (row, slot, t0, t1)
+    extends: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (row, slot, t0, t1, start)
+    dec_slots: Any = None  # (Sd,) slots of the decode rows
+    dec_tokens: Any = None  # (Sd,) their tokens
+    dec_identity: bool = False
+    dec_phys: Any = None  # (Sd,) physical block of each new token
+    dec_fresh: Any = None  # (Sd,) bool: the new token starts its block
+    groups: list[_Group] = field(default_factory=list)
+    blocks_selected: int = 0  # per sparse layer: sum over rows of blocks read per head
+    blocks_total: int = 0  # ... and of the blocks dense reads
+    cache: dict[Any, Any] = field(default_factory=dict)
+    qsl: list[int] = field(default_factory=list)  # the step's query_start_loc
 
 
 @dataclass
@@ -96,6 +155,7 @@ class RuntimeStats:
     requests: int = 0
     blocks_selected: int = 0  # per sparse (request, layer): mean over KV heads of blocks read
     blocks_total: int = 0  # ... and the blocks the dense kernel would have read
+    identity_mismatch: int = 0  # rows whose blocks were not all their state's: run dense
     layers: list[LayerCounters] = field(default_factory=list)
 
 
@@ -109,11 +169,17 @@ class SparseRuntime:
         rank: int = 0,
         max_requests: int = 4096,
         idle_steps: int = 32,
+        batched: bool = True,
     ) -> None:
         if not config.enabled:
             raise ValueError("SparseRuntime needs a configuration with an algorithm")
         self.config, self.spec = config, spec
         self.plugin: UcmSparseBase = create(str(config.algorithm), spec, dict(config.options))
+        self.paged: PagedSelector | None = (
+            PagedSelector(self.plugin)  # type: ignore[arg-type]
+            if batched and paged_support(self.plugin) is None
+            else None
+        )
         self.max_requests, self.idle_steps = max_requests, idle_steps
         self.stats_path = config.stats_path.replace("{rank}", str(rank)) if config.stats_path else None
         self.stats = RuntimeStats(layers=[LayerCounters() for _ in range(spec.num_layers)])
@@ -122,30 +188,24 @@ class SparseRuntime:
         self._plan: StepPlan | None = None
         self._last_layer = spec.num_layers - 1
 
-    # ------------------------------------------------------------------ steps
-    def plan(
-        self,
-        metadata: Any,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-    ) -> StepPlan | None:
-        """The plan of the step ``metadata`` belongs to (built on its first layer)."""
-        prev = self._plan
-        if prev is not None and prev.metadata is metadata:
-            return prev if prev.rows else None
-        if prev is not None and not prev.done:
-            self._finish_step(prev)
-        import torch
+    # ------------------------------------------------------------------ requests
+    def _begin(self, st: _Tracked, prompt_len: int) -> None:
+        if self.paged is not None:
+            st.slot = self.paged.begin(st.rid)
+        else:
+            self.plugin.request_begin(st.rid, prompt_len)
 
-        from kvfabric.ucm_layer.sparse.attention import dense_table
+    def _end(self, st: _Tracked) -> None:
+        if self.paged is not None:
+            self.paged.finish(st.rid)
+        else:
+            self.plugin.request_finished(st.rid)
 
-        self.stats.steps += 1
-        step = self.stats.steps
-        num_reqs = int(query_start_loc.numel()) - 1
-        qsl = query_start_loc.tolist()
-        seqs = seq_lens[:num_reqs].tolist()
-        firsts = block_table[:num_reqs, 0].tolist()
+    def _match(
+        self, num_reqs: int, qsl: list[int], seqs: list[int], firsts: list[int], step: int
+    ) -> tuple[list[tuple[int, _Tracked]], int]:
+        """The rows that match a state (new prefills from position 0 get one), in row order,
+        and the number of decoding rows."""
         chosen: dict[int, tuple[int, _Tracked]] = {}  # first block -> (row, state)
         clashes: set[int] = set()
         decode_rows = 0
@@ -157,10 +217,10 @@ class SparseRuntime:
             if seq == n:  # computes from position 0: a new request on this block
                 old = self._by_block.pop(blk, None)
                 if old is not None:
-                    self.plugin.request_finished(old.rid)
+                    self._end(old)
                 st = _Tracked(f"vllm-{self._next_id}", blk)
                 self._next_id += 1
-                self.plugin.request_begin(st.rid, seq)
+                self._begin(st, seq)
                 self._by_block[blk] = st
                 self.stats.requests += 1
             else:
@@ -173,10 +233,66 @@ class SparseRuntime:
         for blk in clashes:  # two rows claim one state: neither is trusted
             chosen.pop(blk)
             st = self._by_block.pop(blk)
-            self.plugin.request_finished(st.rid)
-        picked = sorted(chosen.values(), key=lambda x: x[0])
+            self._end(st)
+        return sorted(chosen.values(), key=lambda x: x[0]), decode_rows
+
+    # ------------------------------------------------------------------ steps
+    def plan(
+        self,
+        metadata: Any,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        num_blocks: int | None = None,
+    ) -> StepPlan | None:
+        """The plan of the step ``metadata`` belongs to (built on its first layer);
+        ``num_blocks``: physical blocks of the cache (batched mode; default: the table's
+        largest entry + 1)."""
+        prev = self._plan
+        if prev is not None and prev.metadata is metadata:
+            return prev if prev.rows else None
+        if prev is not None and not prev.done:
+            self._finish_step(prev)
+        self.stats.steps += 1
+        step = self.stats.steps
+        num_reqs = int(query_start_loc.numel()) - 1
+        qsl = query_start_loc.tolist()
+        seqs = seq_lens[:num_reqs].tolist()
+        firsts = block_table[:num_reqs, 0].tolist()
+        picked, decode_rows = self._match(num_reqs, qsl, seqs, firsts, step)
         if timing.clock is not None:  # selection times for the connector's spans
             timing.clock.step(str(self.config.algorithm), picked)
+        if self.paged is not None:
+            plan = self._plan_batched(metadata, block_table, qsl, seqs, picked, decode_rows, step, num_blocks)
+        else:
+            plan = self._plan_hooks(
+                metadata, block_table, query_start_loc, qsl, seqs, picked, decode_rows, step
+            )
+        plan.qsl = qsl
+        self._evict(step)
+        self._plan = plan
+        if not plan.rows:
+            plan.done = True
+            self.stats_dense_only(decode_rows)
+            return None
+        return plan
+
+    def _plan_hooks(
+        self,
+        metadata: Any,
+        block_table: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        qsl: list[int],
+        seqs: list[int],
+        picked: list[tuple[int, _Tracked]],
+        decode_rows: int,
+        step: int,
+    ) -> StepPlan:
+        import torch
+
+        from kvfabric.ucm_layer.sparse.attention import dense_table
+
+        num_reqs = len(qsl) - 1
         rows = [i for i, _ in picked]
         tables, lens, seq_list, nnew, rids = [], [], [], [], []
         for i, st in picked:
@@ -188,7 +304,6 @@ class SparseRuntime:
             nnew.append(n)
             rids.append(st.rid)
             st.tokens, st.last_step = seq, step
-        self._evict(step)
         if rows == list(range(num_reqs)) and qsl[0] == 0:
             index = None
         elif rows:
@@ -202,12 +317,121 @@ class SparseRuntime:
             meta = self.plugin.build_sparse_meta(batch, attn)
         else:
             meta = SparseMeta(batch=StepBatch((), (), ()), modes=(), step=step)
-        self._plan = StepPlan(metadata, rows, index, decode_rows, attn, meta)
-        if not rows:
-            self._plan.done = True
-            self.stats_dense_only(decode_rows)
-            return None
-        return self._plan
+        return StepPlan(metadata, rows, index, decode_rows, attn, meta)
+
+    def _plan_batched(
+        self,
+        metadata: Any,
+        block_table: torch.Tensor,
+        qsl: list[int],
+        seqs: list[int],
+        picked: list[tuple[int, _Tracked]],
+        decode_rows: int,
+        step: int,
+        num_blocks: int | None,
+    ) -> StepPlan:
+        import torch
+
+        paged = self.paged
+        assert paged is not None
+        bs = self.spec.block_size
+        dev = block_table.device
+        if num_blocks is None:
+            num_blocks = int(block_table.max()) + 1 if block_table.numel() else 1
+        owner = paged.ensure_blocks(num_blocks, dev)
+        picked = self._check_owner(block_table, owner, picked)
+        plan = StepPlan(
+            metadata, [i for i, _ in picked], None, decode_rows, None, None, block_table=block_table
+        )
+        cfg = self.plugin.cfg  # type: ignore[attr-defined]
+        sel = cfg.selection
+        dec_rows, dec_tok, dec_slots, dec_pos = [], [], [], []
+        long: list[tuple[int, int, int]] = []  # (row, seq, slot)
+        for i, st in picked:
+            seq, n = int(seqs[i]), qsl[i + 1] - qsl[i]
+            start = seq - n
+            nb_prev, nb_new = -(-start // bs), -(-seq // bs)
+            if nb_new > nb_prev:  # the state now owns its new blocks
+                owner[block_table[i, nb_prev:nb_new].to(torch.int64)] = st.slot
+            if start == 0:
+                plan.fits.append((i, st.slot, qsl[i], qsl[i + 1]))
+            elif n > 1:
+                plan.extends.append((i, st.slot, qsl[i], qsl[i + 1], start))
+            else:
+                dec_rows.append(i)
+                dec_tok.append(qsl[i])
+                dec_slots.append(st.slot)
+                dec_pos.append(seq - 1)
+                if seq >= cfg.min_seq_len and sel.num_selected(seq, bs) * bs < seq:
+                    long.append((i, seq, st.slot))
+            st.tokens, st.last_step = seq, step
+        if dec_rows:
+            rows_t = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
+            pos = torch.tensor(dec_pos, dtype=torch.int64, device=dev)
+            plan.dec_slots = torch.tensor(dec_slots, dtype=torch.int64, device=dev)
+            plan.dec_identity = dec_tok == list(range(len(dec_tok)))
+            plan.dec_tokens = torch.tensor(dec_tok, dtype=torch.int64, device=dev)
+            plan.dec_phys = block_table[rows_t, pos // bs].to(torch.int64)
+            plan.dec_fresh = pos % bs == 0
+        if len(long) >= cfg.min_long_requests:
+            by_k: dict[int, list[tuple[int, int, int]]] = {}
+            for r in long:
+                by_k.setdefault(sel.num_selected(r[1], bs), []).append(r)
+            h = self.spec.num_kv_heads
+            for k, rs in sorted(by_k.items()):
+                rows = [r for r, _, _ in rs]
+                tok = [qsl[r] for r in rows]
+                sr = SparseRows(
+                    block_table[torch.tensor(rows, dtype=torch.int64, device=dev)],
+                    [s for _, s, _ in rs],
+                    [sl for _, _, sl in rs],
+                    self.plugin,  # type: ignore[arg-type]
+                )
+                kl = None
+                if sr.tail_last:
+                    per_row = (k - 1) * bs + sr.tail
+                    kl = per_row.repeat_interleave(h).to(torch.int32)
+                plan.groups.append(
+                    _Group(
+                        rows,
+                        torch.tensor(tok, dtype=torch.int64, device=dev),
+                        tok == list(range(len(tok))),
+                        sr,
+                        kl,
+                    )
+                )
+                plan.blocks_selected += k * len(rs)
+                plan.blocks_total += sum(-(-s // bs) for _, s, _ in rs)
+        return plan
+
+    def _check_owner(
+        self, block_table: torch.Tensor, owner: torch.Tensor, picked: list[tuple[int, _Tracked]]
+    ) -> list[tuple[int, _Tracked]]:
+        """Drop (and finish) the continuing rows one of whose seen blocks another state owns:
+        their summaries would be another request's (one gather for the step)."""
+        import torch
+
+        bs = self.spec.block_size
+        cont = [(j, i, st) for j, (i, st) in enumerate(picked) if st.tokens > 0]
+        if not cont:
+            return picked
+        seen = [-(-st.tokens // bs) for _, _, st in cont]
+        width = max(seen)
+        dev = block_table.device
+        rows = torch.tensor([i for _, i, _ in cont], dtype=torch.int64, device=dev)
+        tb = block_table[rows, :width].to(torch.int64)
+        mask = torch.arange(width, device=dev).view(1, -1) < torch.tensor(seen, device=dev).view(-1, 1)
+        slots = torch.tensor([st.slot for _, _, st in cont], dtype=torch.int64, device=dev)
+        ok = ((owner[tb] == slots.view(-1, 1)) | ~mask).all(dim=1).tolist()
+        if all(ok):
+            return picked
+        bad = {j for (j, _, st), good in zip(cont, ok) if not good}
+        for j in bad:
+            st = picked[j][1]
+            self._by_block.pop(st.first_block, None)
+            self._end(st)
+            self.stats.identity_mismatch += 1
+        return [p for j, p in enumerate(picked) if j not in bad]
 
     def _evict(self, step: int) -> None:
         """Finish the states no row matched for ``idle_steps`` steps (vLLM schedules a running
@@ -220,7 +444,7 @@ class SparseRuntime:
             idle += sorted(live, key=lambda s: s.last_step)[:over]
         for st in idle:
             self._by_block.pop(st.first_block, None)
-            self.plugin.request_finished(st.rid)
+            self._end(st)
 
     def stats_dense_only(self, decode_rows: int) -> None:
         """A step with no managed request: every decoding row ran dense in every layer."""
@@ -234,52 +458,131 @@ class SparseRuntime:
 
     def layer_begin(
         self, plan: StepPlan, layer: int, tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kv: LayerKV
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """``attention_begin`` with the step's ``tokens`` (query, key, value of every vLLM
-        row); the sparse rows' ``(H, k)`` physical blocks and lengths, by vLLM row."""
+    ) -> LayerSelection | None:
+        """The step's ``tokens`` (query, key, value of every vLLM row) into the plugin's
+        summaries; the selection of the rows that are sparse in this layer, if any."""
         self._last_layer = max(self._last_layer, layer)
         t0 = timing.now() if timing.clock is not None else 0
+        if self.paged is not None:
+            out = self._layer_batched(plan, layer, tokens, kv)
+        else:
+            out = self._layer_hooks(plan, layer, tokens, kv)
+        if timing.clock is not None and out is not None:  # selection times for the connector's spans
+            timing.clock.selected(out.rows, t0, timing.now())
+        return out
+
+    def _layer_batched(
+        self, plan: StepPlan, layer: int, tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kv: LayerKV
+    ) -> LayerSelection | None:
+        import torch
+
+        paged = self.paged
+        assert paged is not None
+        q, k, _ = tokens
+        bt = plan.block_table
+        for i, slot, t0, t1 in plan.fits:
+            paged.fit(layer, kv, slot, k[t0:t1], q[t0:t1], bt[i])
+        for i, slot, t0, t1, start in plan.extends:
+            paged.extend(layer, kv, slot, k[t0:t1], start, bt[i])
+        if plan.dec_slots is not None:
+            n = int(plan.dec_slots.numel())
+            keys = k[:n] if plan.dec_identity else k.index_select(0, plan.dec_tokens)
+            paged.append(layer, kv, plan.dec_slots, keys, plan.dec_phys, plan.dec_fresh)
+        counters = self.stats.layers[layer]
+        dense_layer = layer in self.plugin.cfg.dense_layers  # type: ignore[attr-defined]
+        if not plan.groups or dense_layer:
+            counters.dense += plan.decode_rows
+            paged.counters.dense_layer_steps += len(plan.rows)
+            return None
+        out = []
+        for g in plan.groups:
+            qs = q[: len(g.rows)] if g.identity else q.index_select(0, g.tokens)
+            physical, lens = paged.select(layer, kv, g.sparse, qs)
+            out.append((g, physical, lens))
+        nsparse = sum(len(g.rows) for g in plan.groups)
+        counters.sparse += nsparse
+        counters.dense += plan.decode_rows - nsparse
+        paged.counters.sparse_layer_steps += nsparse
+        paged.counters.dense_layer_steps += len(plan.rows) - nsparse
+        self.stats.blocks_selected += plan.blocks_selected
+        self.stats.blocks_total += plan.blocks_total
+        if len(out) == 1:
+            g, physical, lens = out[0]
+            return LayerSelection(
+                tuple(g.rows), g.tokens, g.identity, physical, lens, g.kernel_lens, plan.cache
+            )
+        kmax = max(int(p.shape[-1]) for _, p, _ in out)
+        pad = torch.nn.functional.pad
+        rows = [r for g, _, _ in out for r in g.rows]
+        perm = sorted(range(len(rows)), key=rows.__getitem__)
+        phys = torch.cat([pad(p, (0, kmax - p.shape[-1])) for _, p, _ in out])[perm]
+        lens = torch.cat([pad(ln, (0, kmax - ln.shape[-1])) for _, _, ln in out])[perm]
+        toks = torch.cat([g.tokens for g, _, _ in out])[perm]
+        rows_sorted = tuple(rows[j] for j in perm)
+        return LayerSelection(rows_sorted, toks, False, phys, lens, None, plan.cache)
+
+    def _layer_hooks(
+        self, plan: StepPlan, layer: int, tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kv: LayerKV
+    ) -> LayerSelection | None:
+        import torch
+
+        assert plan.attn is not None and plan.meta is not None
         q, k, v = plan.tokens = tuple(self._subset(plan, x) for x in tokens)
         self.plugin.attention_begin(layer, q, k, v, kv, plan.attn, plan.meta)
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         counters = self.stats.layers[layer]
         bs = self.spec.block_size
+        h = self.spec.num_kv_heads
+        rows, tabs, lens = [], [], []
         for j, i in enumerate(plan.rows):
             saved = plan.attn.saved.get(j)
             if saved is None:
                 continue
-            table, lens = plan.attn.block_tables[j], plan.attn.block_lens[j]
-            out[i] = (table.expand(self.spec.num_kv_heads, -1), lens.expand(self.spec.num_kv_heads, -1))
+            table, ln = plan.attn.block_tables[j], plan.attn.block_lens[j]
+            rows.append(i)
+            tabs.append(table.expand(h, -1))
+            lens.append(ln.expand(h, -1))
             self.stats.blocks_selected += int(table.shape[-1])
             self.stats.blocks_total += -(-saved[2] // bs)
-        counters.sparse += len(out)
-        counters.dense += plan.decode_rows - len(out)
-        if timing.clock is not None:
-            timing.clock.selected(list(out), t0, timing.now())
-        return out
+        counters.sparse += len(rows)
+        counters.dense += plan.decode_rows - len(rows)
+        if not rows:
+            return None
+        width = max(int(t.shape[-1]) for t in tabs)
+        pad = torch.nn.functional.pad
+        physical = torch.stack([pad(t, (0, width - t.shape[-1])) for t in tabs])
+        lens_t = torch.stack([pad(ln, (0, width - ln.shape[-1])) for ln in lens])
+        tok = [plan.qsl[i] for i in rows]
+        return LayerSelection(
+            tuple(rows), torch.tensor(tok, dtype=torch.int64), False, physical, lens_t, None, plan.cache
+        )
 
     def layer_end(self, plan: StepPlan, layer: int, output: torch.Tensor, kv: LayerKV) -> None:
-        """``attention_finished``; after the step's last layer, ``execute_finished`` + stats."""
-        q, k, v = plan.tokens
-        self.plugin.attention_finished(layer, q, k, v, self._subset(plan, output), kv, plan.attn, plan.meta)
+        """``attention_finished`` (hooks mode); after the step's last layer, the end of the step."""
+        if self.paged is None:
+            assert plan.attn is not None and plan.meta is not None
+            q, k, v = plan.tokens
+            self.plugin.attention_finished(
+                layer, q, k, v, self._subset(plan, output), kv, plan.attn, plan.meta
+            )
         if layer >= self._last_layer:
             self._finish_step(plan)
 
     def _finish_step(self, plan: StepPlan) -> None:
         plan.done = True
-        self.plugin.execute_finished(plan.meta)
+        if self.paged is None and plan.meta is not None:
+            self.plugin.execute_finished(plan.meta)
         self._write_stats()
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict[str, Any]:
         """The counters as one JSON-able mapping (what the stats file holds)."""
         s = self.stats
-        plugin = {
-            k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.plugin.stats().items()
-        }
+        raw = self.paged.stats() if self.paged is not None else self.plugin.stats()
+        plugin = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in raw.items()}
         return {
             "algorithm": self.config.algorithm,
             "pid": os.getpid(),
+            "batched": self.paged is not None,
             "steps": s.steps,
             "requests": s.requests,
             "tracked_requests": len(self._by_block),
@@ -287,6 +590,7 @@ class SparseRuntime:
             "dense_layer_steps": sum(c.dense for c in s.layers),
             "blocks_selected": s.blocks_selected,
             "blocks_total": s.blocks_total,
+            "identity_mismatch": s.identity_mismatch,
             "layers": [{"sparse": c.sparse, "dense": c.dense} for c in s.layers],
             "plugin": plugin,
         }
@@ -327,4 +631,4 @@ def layer_index(layer_name: str) -> int:
     return nums[0]
 
 
-__all__ = ["SparseRuntime", "StepPlan", "layer_index", "runtime_for"]
+__all__ = ["LayerSelection", "SparseRuntime", "StepPlan", "layer_index", "runtime_for"]

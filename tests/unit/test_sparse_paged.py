@@ -1,0 +1,180 @@
+"""Batched selection over a paged cache (``sparse.paged``) against the per-request hooks'
+selection, for every algorithm; and the vLLM runtime's request identity in batched mode:
+a reordered batch gets each request's own selection, a block table planted with another
+request's blocks runs dense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfabric.ucm_layer.sparse.base import LayerKV, ModelSpec, create
+from kvfabric.ucm_layer.sparse.blocksparse import LayerState, recent_queries
+from kvfabric.ucm_layer.sparse.paged import PagedSelector, SparseRows, paged_support
+from kvfabric.ucm_layer.sparse.scorer import make_scorer
+from kvfabric.ucm_layer.sparse.vllm.config import from_mapping
+from kvfabric.ucm_layer.sparse.vllm.runtime import SparseRuntime
+
+H, G, D, BS, NB = 2, 3, 16, 8, 96
+SPEC = ModelSpec(num_layers=1, num_q_heads=H * G, num_kv_heads=H, head_dim=D, block_size=BS)
+
+
+def _write(kv: LayerKV, row: torch.Tensor, keys: torch.Tensor, start: int) -> None:
+    """Keys ``(n, H, D)`` at positions ``start...`` of the request with physical ``row``."""
+    pos = torch.arange(start, start + keys.shape[0])
+    kv.k[:, row[pos // BS].long(), pos % BS] = keys.transpose(0, 1)
+
+
+def _reference(plugin, prompt_k, prompt_q, decode_k, q, seq, split):
+    """The per-request hooks' free blocks (logical, per head) for one request whose prompt
+    came in two chunks (``split`` tokens first), and its combined scores."""
+    sc = make_scorer(plugin.scorer_name, H, D, BS, **plugin.cfg.scorer_options)
+    sc.fit(prompt_k[:split].permute(1, 0, 2), recent_queries(prompt_q[:split], H, plugin.cfg.query_window))
+    sc.append(prompt_k[split:].permute(1, 0, 2), split)
+    for j in range(decode_k.shape[0]):
+        sc.append(decode_k[j : j + 1].permute(1, 0, 2), prompt_k.shape[0] + j)
+    nb = -(-seq // BS)
+    k = plugin.cfg.selection.num_selected(seq, BS)
+    return plugin._select_free(LayerState(sc), q.view(H, G, D), nb, k), sc.scores(q.view(H, G, D))
+
+
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("gsa", {}),
+        ("gsa", {"select": "estimate", "rank": 3}),
+        ("gsa", {"allocation": "layer"}),
+        ("quest", {}),
+        ("meankey", {}),
+        ("oracle", {}),
+        ("hata", {"bits": 32}),
+    ],
+)
+def test_batched_selection_equals_the_per_request_hooks(name: str, options: dict) -> None:
+    torch.manual_seed(3)
+    plugin = create(name, SPEC, {"budget_tokens": 6 * BS, "sink_blocks": 1, "recent_blocks": 2, **options})
+    assert paged_support(plugin) is None
+    sel = PagedSelector(plugin)
+    kv = LayerKV(torch.zeros(H, NB, BS, D), torch.zeros(H, NB, BS, D))
+    perm = torch.randperm(NB)
+    prompts, decodes = [13 * BS + 3, 17 * BS + 7, 11 * BS], 10  # ragged, crossing block edges
+    splits = [13 * BS + 3, 5 * BS + 3, 6 * BS]  # two prompts come in two chunks (chunked prefill)
+    rows, slots, seqs, data = [], [], [], []
+    for r, n in enumerate(prompts):
+        row = perm[r * 32 : (r + 1) * 32]
+        k, q = torch.randn(n, H, D) * 2, torch.randn(n, H * G, D)
+        _write(kv, row, k, 0)
+        slot = sel.begin(f"r{r}")
+        sel.fit(0, kv, slot, k[: splits[r]], q[: splits[r]], row)
+        sel.extend(0, kv, slot, k[splits[r] :], splits[r], row)
+        rows.append(row)
+        slots.append(slot)
+        data.append((k, q))
+    dec = torch.randn(decodes, len(prompts), H, D)
+    for t in range(decodes):
+        pos = torch.tensor([n + t for n in prompts])
+        phys = torch.stack([rows[r][int(p) // BS] for r, p in enumerate(pos)])
+        for r in range(len(prompts)):
+            _write(kv, rows[r], dec[t, r : r + 1], int(pos[r]))
+        sel.append(0, kv, torch.tensor(slots), dec[t], phys, pos % BS == 0)
+    seqs = [n + decodes for n in prompts]
+    q = torch.randn(len(prompts), H * G, D)
+    sr = SparseRows(torch.stack(rows), seqs, slots, plugin)
+    physical, lens = sel.select(0, kv, sr, q)
+    if hasattr(sel.layers[0], "full_product_ratio"):  # the other scoring path gives the same blocks
+        sel.layers[0].full_product_ratio = 0.0
+        other, _ = sel.select(0, kv, sr, q)
+        assert torch.equal(other.sort(dim=-1).values, physical.sort(dim=-1).values)
+    per_head = options.get("allocation") != "layer"
+    assert (
+        physical.shape[:2] == (3, H) and sr.tail_last == per_head and (physical.shape[2] == 6 or not per_head)
+    )
+    for r, seq in enumerate(seqs):
+        nb = -(-seq // BS)
+        ref, scores = _reference(plugin, data[r][0], data[r][1], dec[:, r], q[r], seq, splits[r])
+        logical = {int(p): b for b, p in enumerate(rows[r][:nb].tolist())}
+        for h in range(H):
+            forced = {0, nb - 2, nb - 1}
+            want = forced | {int(b) for b in ref[h] if b >= 0}
+            got = {logical[int(b)] for b, n in zip(physical[r, h], lens[r, h]) if n > 0}
+            if name == "hata":  # integer scores: ties may break either way, the scores may not
+                assert got >= forced and len(got) == len(want)
+                assert sorted(scores[h, sorted(got - forced)].tolist()) == sorted(
+                    scores[h, sorted(want - forced)].tolist()
+                )
+            else:
+                assert got == want, (name, r, h)
+        tail = seq - (nb - 1) * BS
+        used = lens[r] > 0
+        assert int(lens[r].sum()) == int(used.sum()) * BS - (BS - tail) * H
+        if sr.tail_last:
+            assert torch.equal(physical[r, :, -1], rows[r][nb - 1].expand(H)) and bool(
+                (lens[r, :, -1] == tail).all()
+            )
+
+
+def _runtime(tmp_path) -> SparseRuntime:
+    cfg = from_mapping(
+        {
+            "algorithm": "gsa",
+            "budget_tokens": 4 * BS,
+            "min_seq_len": 0,
+            "stats_path": str(tmp_path / "stats.json"),
+        }
+    )
+    rt = SparseRuntime(cfg, SPEC)
+    assert rt.paged is not None
+    return rt
+
+
+def _run(rt, table, seqs, news, q, k, kv):
+    qsl = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32)
+    plan = rt.plan(object(), table, torch.tensor(seqs, dtype=torch.int32), qsl, kv.num_blocks)
+    if plan is None:
+        return None
+    sel = rt.layer_begin(plan, 0, (q, k, torch.zeros_like(k)), kv)
+    rt.layer_end(plan, 0, torch.zeros_like(q), kv)
+    return sel
+
+
+def _two_prompts(rt, kv, table, n):
+    torch.manual_seed(0)
+    ka, kb = torch.randn(n, H, D), torch.randn(n, H, D) * 3
+    qa, qb = torch.randn(n, H * G, D), torch.randn(n, H * G, D)
+    for r, k in enumerate((ka, kb)):
+        _write(kv, table[r], k, 0)
+    assert _run(rt, table, [n, n], [n, n], torch.cat([qa, qb]), torch.cat([ka, kb]), kv) is None
+
+
+def test_a_reordered_batch_gets_each_requests_own_selection(tmp_path) -> None:
+    n = 12 * BS + 2
+    table = torch.arange(2 * 20, dtype=torch.int32).view(2, 20)
+    q, k = torch.randn(2, H * G, D), torch.randn(2, H, D)
+    got = []
+    for order in ((0, 1), (1, 0)):
+        rt, kv = _runtime(tmp_path), LayerKV(torch.zeros(H, NB, BS, D), torch.zeros(H, NB, BS, D))
+        _two_prompts(rt, kv, table, n)
+        idx = list(order)
+        sel = _run(rt, table[idx], [n + 1, n + 1], [1, 1], q[idx], k[idx], kv)
+        assert sel is not None and sel.rows == (0, 1)
+        got.append({order[j]: sel.physical[j] for j in range(2)})
+    for r in range(2):
+        assert torch.equal(got[0][r], got[1][r])
+        assert set(got[0][r].flatten().tolist()) <= set(table[r].tolist())
+
+
+def test_a_block_table_with_another_requests_blocks_runs_dense(tmp_path) -> None:
+    n = 12 * BS + 2
+    table = torch.arange(2 * 20, dtype=torch.int32).view(2, 20)
+    rt, kv = _runtime(tmp_path), LayerKV(torch.zeros(H, NB, BS, D), torch.zeros(H, NB, BS, D))
+    _two_prompts(rt, kv, table, n)
+    planted = table.clone()
+    planted[0, 1:] = table[1, 1:]  # request A's first block, request B's summaries behind it
+    q, k = torch.randn(2, H * G, D), torch.randn(2, H, D)
+    sel = _run(rt, planted, [n + 1, n + 1], [1, 1], q, k, kv)
+    assert sel is not None and sel.rows == (1,)  # only B selects; A's row runs dense
+    snap = rt.snapshot()
+    assert snap["identity_mismatch"] == 1 and snap["tracked_requests"] == 1
+    # the dropped state is not trusted again: the row stays dense from then on
+    sel = _run(rt, table, [n + 2, n + 2], [1, 1], q, k, kv)
+    assert sel is not None and sel.rows == (1,)
