@@ -25,9 +25,9 @@ What the pool's events say (``event_fields``):
                     ``"GPU"`` (``MEDIUM``).
 ``locality``        ``"LOCAL"`` when the window belongs to a rank on the publishing daemon's
                     node, ``"REMOTE"`` when on another node (vLLM's ``Locality`` values).
-``ownership``       the tier: ``"kvfabric:<pool name>:rank<r>"``, the pool rank whose window
-                    holds the object (rank 0 is the daemon's own window). Which node a rank
-                    runs on: ``/prefix`` answers it per block.
+``ownership``       the tier: ``"kvfabric:<pool name>:rank<r>@<node>"``, the pool rank whose
+                    window holds the object (rank 0 is the daemon's own window) and the node
+                    it runs on (the GVA fabric's node name; ``parse_ownership``).
 ``group_idx``       None (the KV-cache group of a block id is its byte 13).
 
 ``BlockRemoved`` carries the same ``medium``, ``locality`` and ``ownership`` as the
@@ -159,9 +159,20 @@ def removed(hashes: list[bytes], medium: str, locality: str, ownership: str) -> 
     return BlockRemoved(block_hashes=hashes, medium=medium, locality=locality, ownership=ownership)  # type: ignore[arg-type]
 
 
-def ownership(pool: str, rank: int) -> str:
-    """The tier name of a pool rank's window: ``kvfabric:<pool>:rank<r>``."""
-    return f"kvfabric:{pool}:rank{rank}"
+def ownership(pool: str, rank: int, node: str | None = None) -> str:
+    """The tier name of a pool rank's window: ``kvfabric:<pool>:rank<r>@<node>`` (without
+    ``@<node>`` when the node is not known)."""
+    return f"kvfabric:{pool}:rank{rank}" + (f"@{node}" if node else "")
+
+
+def parse_ownership(value: str) -> tuple[str, int, str | None] | None:
+    """``(pool, rank, node)`` of an ``ownership`` this pool wrote, None for any other."""
+    head, _, rest = value.partition(":")
+    pool, _, where = rest.rpartition(":")
+    rank, _, node = where.partition("@")
+    if head != "kvfabric" or not pool or not rank.startswith("rank") or not rank[4:].isdigit():
+        return None
+    return pool, int(rank[4:]), node or None
 
 
 # --------------------------------------------------------------------- block keys
@@ -370,14 +381,22 @@ class Subscriber:
             blocks.apply(batch)
         return len(got)
 
+    def resync(self, blocks: BlockSet) -> int:
+        """Ask the replay endpoint now for what this subscriber lacks and apply it to
+        ``blocks``; the number of batches applied. A lost message is noticed only when a
+        later one arrives: a caller that hears nothing for a while calls this."""
+        got = self._resync()
+        for _, batch in got:
+            blocks.apply(batch)
+        return len(got)
+
     def catch_up(self, until_seq: int, blocks: BlockSet, timeout_s: float = 10.0) -> None:
         """Follow until batch ``until_seq`` has been applied (``TimeoutError`` after
         ``timeout_s``); when nothing arrives, resync from the replay endpoint."""
         deadline = time.monotonic() + timeout_s
         while self.next_seq <= until_seq:
             if not self.follow(blocks, 0.05):
-                for _, batch in self._resync():
-                    blocks.apply(batch)
+                self.resync(blocks)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"batch {until_seq} not seen in {timeout_s} s (next {self.next_seq})")
 

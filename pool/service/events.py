@@ -358,7 +358,7 @@ class KvEventPublisher:
                 self._last_node[rank] = node
             loc = ke.Locality.LOCAL if node is None or node == self._node else ke.Locality.REMOTE
             hit = cache[(medium, rank)] = Where(
-                ke.MEDIUM.get(medium, ke.MEDIUM_CPU), loc.value, ke.ownership(self.pool, rank)
+                ke.MEDIUM.get(medium, ke.MEDIUM_CPU), loc.value, ke.ownership(self.pool, rank, node)
             )
         return hit
 

@@ -83,11 +83,19 @@ def _metric(d: Daemon, name: str) -> float:
 
 
 def _converge(d: Daemon, subs: list[tuple[ke.Subscriber, ke.BlockSet]], timeout: float = 15.0) -> set[bytes]:
-    """Follow every subscriber up to the daemon's last batch; the directory then."""
-    last = int(_metric(d, "kvfabric_pool_kv_event_batches_total")) - 1
-    for sub, blocks in subs:
-        sub.catch_up(last, blocks, timeout)
-    return _directory(d)
+    """The directory, once every subscriber's blocks equal it (the publisher sends what the
+    service reported within 5 ms; with no call in flight the directory stays put). A
+    subscriber that heard nothing new resyncs: a lost last message has no successor to
+    reveal the gap."""
+    deadline = time.monotonic() + timeout
+    while True:
+        want = _directory(d)
+        for sub, blocks in subs:
+            if not sub.follow(blocks, 0.02) and blocks.keys() != want:
+                sub.resync(blocks)
+        if all(blocks.keys() == want for _, blocks in subs):
+            return want
+        assert time.monotonic() < deadline, [len(blocks.keys() ^ want) for _, blocks in subs]
 
 
 def _ids(first: int, n: int) -> np.ndarray:
@@ -125,6 +133,7 @@ def test_events_rebuild_the_directory_through_evictions_removals_a_lost_rank_and
         c.put("greeting", b"hello")
         assert _metric(d, "kvfabric_pool_evicted_objects") > 0
         held = sorted(_directory(d) - {b"greeting"})
+        node = _prefix(d, {"block_hashes": [b"greeting".hex()]})[1]["blocks"][0]["locations"][0]["node"]
         c.batch_remove(held[:5])
         # a client with a window of its own dies: its rank's blocks leave with it
         child = subprocess.Popen(
@@ -139,7 +148,8 @@ def test_events_rebuild_the_directory_through_evictions_removals_a_lost_rank_and
             rank = int(line[1])
             dir_now = _converge(d, subs)
             assert {f"child/{i}".encode() for i in range(6)} <= dir_now
-            assert subs[0][1].blocks[b"child/0"] == ("CPU", ke.ownership("ev", rank))
+            medium, owner = subs[0][1].blocks[b"child/0"]
+            assert medium == "CPU" and ke.parse_ownership(owner) == ("ev", rank, node)
         finally:
             child.kill()
             child.wait(30)
@@ -151,7 +161,7 @@ def test_events_rebuild_the_directory_through_evictions_removals_a_lost_rank_and
         assert not any(k.startswith(b"child/") for k in after_loss)
         for sub, blocks in subs:
             assert blocks.keys() == after_loss, sub
-        assert subs[0][1].blocks[held[-1]] == ("CPU", ke.ownership("ev", 0))
+        assert subs[0][1].blocks[held[-1]] == ("CPU", ke.ownership("ev", 0, node))
         # remove_all is one AllBlocksCleared; what comes after is stored again
         cleared_before = subs[0][1].cleared
         assert c.remove_all() > 0
@@ -165,8 +175,7 @@ def test_events_rebuild_the_directory_through_evictions_removals_a_lost_rank_and
         late = ke.Subscriber(pub, replay, decoder=DECODE)
         late_blocks = ke.BlockSet()
         c.put("last", b"x")
-        late.catch_up(int(_metric(d, "kvfabric_pool_kv_event_batches_total")) - 1, late_blocks)
-        assert late_blocks.keys() == _directory(d) == final | {b"last"} and late.connects == 1
+        assert _converge(d, [(late, late_blocks)]) == final | {b"last"} and late.connects == 1
         assert _metric(d, "kvfabric_pool_kv_event_replays_total") >= 3
         assert _metric(d, "kvfabric_pool_kv_events_dropped_total") == 0
         late.close()

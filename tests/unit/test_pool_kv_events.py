@@ -311,3 +311,11 @@ def test_router_ids_take_the_last_engine_hash_of_each_block() -> None:
     assert two.shape == (3, 16) and (hashing.rank_of(two) == 1).all()
     with pytest.raises(ValueError, match="hashes_per_block"):
         routing.pool_block_ids(fp, hashes, hashes_per_block=0)
+
+
+def test_ownership_names_pool_rank_and_node() -> None:
+    assert ke.ownership("p", 3, "host-a/1f") == "kvfabric:p:rank3@host-a/1f"
+    assert ke.parse_ownership("kvfabric:p:rank3@host-a/1f") == ("p", 3, "host-a/1f")
+    assert ke.parse_ownership(ke.ownership("p", 0)) == ("p", 0, None)
+    for other in ("kvcr", "kvfabric:p:3", "lmcache:p:rank1", "kvfabric::rank1"):
+        assert ke.parse_ownership(other) is None, other
