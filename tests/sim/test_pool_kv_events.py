@@ -307,3 +307,19 @@ def test_a_publisher_that_falls_behind_drops_and_resyncs_with_a_snapshot(isolate
         finally:
             c.close()
             sub.close()
+
+
+def test_a_busy_kv_events_port_fails_the_start_naming_it(isolated_shm):
+    import zmq
+
+    busy = zmq.Context.instance().socket(zmq.PUB)
+    port = busy.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        cfg = PoolConfig(
+            dram=1 * MiB, max_objects=64, pretouch=False, kv_events_endpoint=f"tcp://127.0.0.1:{port}"
+        )
+        with pytest.raises(OSError, match=f"kv_events: cannot bind 'tcp://127.0.0.1:{port}'"):
+            EmbeddedPool(cfg)
+        assert segments(isolated_shm) == []  # the failed start left nothing behind
+    finally:
+        busy.close(linger=0)
