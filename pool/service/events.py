@@ -87,7 +87,7 @@ class EventQueue:
         self._lock = threading.Lock()
         self._items: deque[tuple[int, list[bytes], list[int]]] = deque()
         self._pending = 0  # keys in _items
-        self.lost = False  # dropped since the last reset: the publisher resyncs
+        self.lost = False  # dropped since the last restart: the publisher resyncs
         self.dropped = 0  # keys dropped so far
 
     def stored(self, keys: list[bytes], gvas: list[int]) -> None:
