@@ -7,7 +7,10 @@ Mooncake's indexer) consume them. The pool daemon publishes its own directory th
 and needs no vLLM: its structs carry vLLM's struct names as tags, its field names, field
 order and msgspec options (``array_like`` batches, tagged events, ``omit_defaults``), so
 ``msgspec.msgpack.Decoder(vllm.distributed.kv_events.KVEventBatch)`` decodes what the pool
-sends, and this module's decoder decodes vLLM's (``tests/unit/test_pool_kv_events.py``).
+sends, and this module's decoder decodes vLLM's (``tests/unit/test_pool_kv_events.py``:
+field for field, and the same batch encodes to the same bytes). vLLM's own classes are not
+used even where vLLM is installed: importing ``vllm.distributed.kv_events`` loads most of
+vLLM (about 25 s on the development machine) into a daemon that needs none of it.
 
 What the pool's events say (``event_fields``):
 
