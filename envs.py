@@ -131,6 +131,20 @@ def _parse_threads(text: str) -> int | None:
     return n
 
 
+def _parse_hugepages(s: str) -> str:
+    v = s.strip().lower() or "auto"
+    if v not in ("auto", "on", "off", "thp", "hugetlb"):
+        raise ValueError(f"expected auto, on, off, thp or hugetlb, got {s!r}")
+    return v
+
+
+KVFABRIC_HUGEPAGES: EnvVar[str] = EnvVar(
+    "KVFABRIC_HUGEPAGES",
+    _parse_hugepages,
+    "auto",
+    "Pages of shareable sim buffers: auto, on, off, thp or hugetlb (platform/shm.py).",
+)
+
 KVFABRIC_COPY_THREADS: EnvVar[int | None] = EnvVar(
     "KVFABRIC_COPY_THREADS",
     _parse_threads,
@@ -153,6 +167,7 @@ ALL: tuple[EnvVar, ...] = (
     KVFABRIC_CACHE_DIR,
     KVFABRIC_LOG_LEVEL,
     KVFABRIC_COPY_THREADS,
+    KVFABRIC_HUGEPAGES,
     MC_TCP_BIND_ADDRESS,
 )
 

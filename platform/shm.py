@@ -11,32 +11,81 @@ the name carries the owner's pid and start time (``kvf.<pid>.<start>.<n>.<rand>`
 ``sweep()`` (run whenever a platform starts) unlinks segments whose owner is gone.
 Attaching processes map the memory and never unlink it; a mapping stays valid after
 the name is unlinked.
+
+Huge pages (``hugepages``, see ``platform/hugepages.py`` for what the machine must allow):
+a segment on transparent huge pages or reserved hugetlb pages is a ``memfd_create`` file
+(``MFD_HUGETLB`` for hugetlb) of the same name, rounded up to whole huge pages, advised
+``MADV_HUGEPAGE`` and populated through the mapping (``MADV_POPULATE_WRITE``: the pages are
+allocated, and a shortfall is an ``OutOfSpace``, at creation, as ``posix_fallocate`` does for
+a file). Other processes of the node open it through the owner's descriptor,
+``/proc/<pid>/fd/<fd>``: the handle is ``<name>@<fd>``, and an attach checks that the
+descriptor still holds a memfd of that very name (a reused descriptor or pid is "gone").
+Such a segment cannot outlive its owner, so it needs no sweep: the kernel frees it when the
+owner and every mapping are gone. Persistent segments (``open_named``) must outlive their
+creator, so they stay files: on a hugetlbfs mount for hugetlb pages (the handle is then the
+file's path), or in the shm dir when its tmpfs mount gives huge pages (``huge=``).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
+import ctypes
 import errno
 import itertools
 import mmap
 import os
 import secrets
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvfabric.envs import KVFABRIC_SHM_DIR
+from kvfabric.envs import KVFABRIC_HUGEPAGES, KVFABRIC_SHM_DIR
 from kvfabric.errors import HandleError, OutOfSpace
+from kvfabric.platform.hugepages import HugePages, PageKind, choose, round_up, support
 
 PREFIX = "kvf."
 _counter = itertools.count()
 _owned: dict[str, str] = {}  # name -> path, segments this process must unlink
+_owned_fds: dict[str, int] = {}  # name -> descriptor, memfd segments this process must close
 _owned_lock = threading.Lock()
 
 
 def shm_dir() -> str:
     return KVFABRIC_SHM_DIR.get()
+
+
+_override: contextvars.ContextVar[HugePages | None] = contextvars.ContextVar(
+    "kvfabric_hugepages", default=None
+)
+
+
+def default_hugepages() -> HugePages:
+    """The ``hugepages`` mode of platforms not told otherwise (``KVFABRIC_HUGEPAGES``, default auto)."""
+    return HugePages.parse(KVFABRIC_HUGEPAGES.get())
+
+
+def effective_hugepages(configured: HugePages | None) -> HugePages:
+    """The mode a platform's next shareable allocation uses: a :func:`hugepages_for` block's,
+    else the platform's configured one, else :func:`default_hugepages`."""
+    return _override.get() or configured or default_hugepages()
+
+
+@contextlib.contextmanager
+def hugepages_for(mode: HugePages | str | None) -> Iterator[None]:
+    """Within the block (this thread / task), shareable allocations use ``mode`` (None: no
+    change); the pool service allocates its window under its ``hugepages`` setting so."""
+    if mode is None:
+        yield
+        return
+    token = _override.set(HugePages.parse(mode))
+    try:
+        yield
+    finally:
+        _override.reset(token)
 
 
 def _start_time(pid: int) -> int | None:
@@ -58,7 +107,9 @@ _MY_START = _start_time(os.getpid()) or 0
 
 @dataclass
 class Segment:
-    """One mapped segment. ``array`` is a uint8 view whose address is the buffer's."""
+    """One mapped segment. ``array`` is a uint8 view of ``nbytes`` whose address is the
+    buffer's; the mapping may be longer (``mapped``: rounded up to whole huge pages).
+    ``ref`` is what another process passes to :func:`attach`."""
 
     name: str
     path: str
@@ -66,6 +117,17 @@ class Segment:
     mm: mmap.mmap | None
     array: np.ndarray | None
     owner: bool
+    kind: PageKind = PageKind.SMALL
+    fd: int | None = None  # memfd segments: the owner's descriptor, which others open
+    mapped: int = 0
+
+    @property
+    def ref(self) -> str:
+        if self.fd is not None:
+            return f"{self.name}@{self.fd}"
+        if os.path.dirname(self.path) != os.path.realpath(shm_dir()) and self.kind is PageKind.HUGETLB:
+            return self.path  # a persistent segment on a hugetlbfs mount
+        return self.name
 
     @property
     def ptr(self) -> int:
@@ -87,7 +149,11 @@ class Segment:
         """Remove the name (owner only). Idempotent."""
         if not self.owner:
             raise ValueError(f"segment {self.name} is not owned by this process")
-        _unlink(self.name, self.path)
+        if self.fd is not None:
+            _close_fd(self.name)
+            self.fd = None
+        else:
+            _unlink(self.name, self.path)
 
 
 def _unlink(name: str, path: str) -> None:
@@ -97,6 +163,13 @@ def _unlink(name: str, path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _close_fd(name: str) -> None:
+    with _owned_lock:
+        fd = _owned_fds.pop(name, None)
+    if fd is not None:
+        os.close(fd)
 
 
 HUGE_PAGE_BYTES = 4 << 20  # mappings from this size on ask for transparent huge pages
@@ -115,18 +188,96 @@ def advise_huge(mm: mmap.mmap, nbytes: int) -> None:
             pass
 
 
-def _map(fd: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    advise_huge(mm, nbytes)
-    return mm, np.frombuffer(mm, dtype=np.uint8)
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in for writing, errors instead of SIGBUS
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-def create(nbytes: int, directory: str | None = None) -> Segment:
-    """Create, reserve and map a new segment of ``nbytes`` owned by this process."""
+def _populate(addr: int, nbytes: int, what: str) -> None:
+    """Allocate every page of a fresh mapping at ``addr`` now, through the mapping (so its
+    huge page advice applies), with an ``OutOfSpace`` instead of a SIGBUS when memory runs out."""
+    if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:  # an older kernel: touch the pages (zeros into fresh zero pages)
+        raw = (ctypes.c_uint8 * nbytes).from_address(addr)
+        np.frombuffer(raw, dtype=np.uint8)[::4096] = 0
+        return
+    raise OutOfSpace(f"{what}: the pages do not fit ({os.strerror(err)})")
+
+
+def _map(
+    fd: int, nbytes: int, mapped: int | None = None, kind: PageKind = PageKind.SMALL
+) -> tuple[mmap.mmap, np.ndarray]:
+    length = mapped or nbytes
+    mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if kind is PageKind.THP and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    else:
+        advise_huge(mm, length)
+    return mm, np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+
+
+def _close_quietly(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view still aliases it; the mapping goes with that view
+
+
+def _new_name() -> str:
+    return f"{PREFIX}{os.getpid()}.{_MY_START}.{next(_counter)}.{secrets.token_hex(4)}"
+
+
+def _create_memfd(name: str, nbytes: int, kind: PageKind, page: int) -> Segment:
+    """A ``memfd_create`` segment on ``kind`` pages (see the module docstring)."""
+    size = round_up(nbytes, page)
+    flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if kind is PageKind.HUGETLB else 0)
+    what = f"shared memory of {nbytes} B on {kind.value} pages ({size} B)"
+    try:
+        fd = os.memfd_create(name, flags)
+    except OSError as e:
+        raise OutOfSpace(f"{what}: memfd_create failed: {e}") from e
+    try:
+        os.ftruncate(fd, size)
+        if kind is PageKind.HUGETLB:  # reserves the pool's pages now: ENOSPC when they run out
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                raise OutOfSpace(f"{what} does not fit in the free hugetlb pages: {e}") from e
+        mm, arr = _map(fd, nbytes, size, kind)
+        try:
+            if kind is PageKind.THP:
+                _populate(int(arr.ctypes.data), size, what)
+        except BaseException:
+            del arr
+            _close_quietly(mm)
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    with _owned_lock:
+        _owned_fds[name] = fd
+    return Segment(name, f"/proc/{os.getpid()}/fd/{fd}", nbytes, mm, arr, True, kind, fd, size)
+
+
+def create(nbytes: int, directory: str | None = None, hugepages: HugePages | str = HugePages.OFF) -> Segment:
+    """Create, reserve and map a new segment of ``nbytes`` owned by this process, on the
+    pages ``hugepages`` chooses (``platform/hugepages.py``; ``HugePagesUnavailable`` when
+    ``on``, ``thp`` or ``hugetlb`` cannot be met). Nothing is left behind when it fails."""
     if nbytes <= 0:
         raise ValueError(f"segment size must be > 0, got {nbytes}")
     d = directory or shm_dir()
-    name = f"{PREFIX}{os.getpid()}.{_MY_START}.{next(_counter)}.{secrets.token_hex(4)}"
+    mode = HugePages.parse(hugepages)
+    name = _new_name()
+    if mode is not HugePages.OFF:
+        sup = support(d)
+        kind = choose(mode, nbytes, sup)
+        if kind is not PageKind.SMALL:
+            page = sup.hugetlb_bytes if kind is PageKind.HUGETLB else sup.thp_bytes
+            return _create_memfd(name, nbytes, kind, page)
     path = os.path.join(d, name)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -164,13 +315,37 @@ def _named(name: str, directory: str | None) -> tuple[str, str]:
     return full, os.path.join(directory or shm_dir(), full)
 
 
-def open_named(name: str, nbytes: int, directory: str | None = None) -> tuple[Segment, bool]:
+def _named_paths(full: str, path: str, hugetlbfs: tuple[str, ...]) -> list[str]:
+    return [path] + [os.path.join(m, full) for m in hugetlbfs]
+
+
+def open_named(
+    name: str, nbytes: int, directory: str | None = None, hugepages: HugePages | str = HugePages.OFF
+) -> tuple[Segment, bool]:
     """Create the persistent segment ``kvf.n.<name>``, or map it if it already exists with
-    this size; ``(segment, created)``. It outlives every process (never unlinked at exit,
-    never swept) until :func:`unlink_named`."""
+    this size (wherever it was created: the shm dir or a hugetlbfs mount); ``(segment,
+    created)``. It outlives every process (never unlinked at exit, never swept) until
+    :func:`unlink_named`. ``hugepages`` chooses the pages of a new one (a file: hugetlb on a
+    hugetlbfs mount, thp in a shm dir whose mount gives them)."""
     if nbytes <= 0:
         raise ValueError(f"segment size must be > 0, got {nbytes}")
     full, path = _named(name, directory)
+    d = os.path.dirname(path)
+    mode = HugePages.parse(hugepages)
+    sup = support(d)
+    kind, page = PageKind.SMALL, 0
+    existing = next((p for p in _named_paths(full, path, sup.hugetlbfs) if os.path.exists(p)), None)
+    if existing is not None:
+        path = existing
+        if path != _named(name, directory)[1]:
+            kind, page = PageKind.HUGETLB, sup.hugetlb_bytes
+    elif mode is not HugePages.OFF:
+        kind = choose(mode, nbytes, sup, persistent=True)
+        if kind is PageKind.HUGETLB:
+            path, page = os.path.join(sup.hugetlbfs[0], full), sup.hugetlb_bytes
+        elif kind is PageKind.THP:
+            page = sup.thp_bytes
+    size = round_up(nbytes, page) if page else nbytes
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         created = True
@@ -182,7 +357,12 @@ def open_named(name: str, nbytes: int, directory: str | None = None) -> tuple[Se
     try:
         if created:
             try:
-                os.posix_fallocate(fd, 0, nbytes)
+                if kind is PageKind.THP:
+                    os.ftruncate(fd, size)  # allocated through the advised mapping below
+                else:
+                    if kind is PageKind.HUGETLB:
+                        os.ftruncate(fd, size)
+                    os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                     free = _free_bytes(os.path.dirname(path))
@@ -191,10 +371,17 @@ def open_named(name: str, nbytes: int, directory: str | None = None) -> tuple[Se
                     ) from e
                 raise
         else:
-            size = os.fstat(fd).st_size
-            if size != nbytes:
-                raise HandleError(f"segment {full!r} exists with {size} B, not {nbytes} B")
-        mm, arr = _map(fd, nbytes)
+            have = os.fstat(fd).st_size
+            if have != size:
+                raise HandleError(f"segment {full!r} exists with {have} B, not {nbytes} B")
+        mm, arr = _map(fd, nbytes, size, kind)
+        if created and kind is PageKind.THP:
+            try:
+                _populate(int(arr.ctypes.data), size, f"shared memory of {nbytes} B for {full!r}")
+            except BaseException:
+                del arr
+                _close_quietly(mm)
+                raise
     except BaseException:
         if created:  # a segment this call created and could not hand over: never leave it behind
             try:
@@ -204,37 +391,83 @@ def open_named(name: str, nbytes: int, directory: str | None = None) -> tuple[Se
         raise
     finally:
         os.close(fd)
-    return Segment(full, path, nbytes, mm, arr, owner=False), created
+    return Segment(full, path, nbytes, mm, arr, owner=False, kind=kind, mapped=size), created
 
 
 def unlink_named(name: str, directory: str | None = None) -> bool:
-    """Delete the persistent segment ``kvf.n.<name>``; False if it did not exist."""
-    _, path = _named(name, directory)
+    """Delete the persistent segment ``kvf.n.<name>`` (wherever it lives); False if it did not exist."""
+    full, path = _named(name, directory)
+    found = False
+    for p in _named_paths(full, path, support(os.path.dirname(path)).hugetlbfs):
+        try:
+            os.unlink(p)
+            found = True
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def _attach_memfd(ref: str, nbytes: int) -> Segment:
+    name, _, fd_s = ref.rpartition("@")
     try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
+        pid, fdn = int(name.split(".")[1]), int(fd_s)
+    except (IndexError, ValueError):
+        raise HandleError(f"{ref!r} is not a kvfabric shared-memory segment handle") from None
+    proc = f"/proc/{pid}/fd/{fdn}"
+    gone = f"shared-memory segment {name!r} is gone (its owner freed it or exited)"
+    try:
+        target = os.readlink(proc)
+        fd = os.open(proc, os.O_RDWR)
+    except FileNotFoundError as e:
+        raise HandleError(gone) from e
+    except PermissionError as e:
+        raise HandleError(
+            f"cannot open segment {name!r} through {proc} (another user's process?): {e}"
+        ) from e
+    try:
+        if target != f"/memfd:{name} (deleted)" or os.readlink(f"/proc/self/fd/{fd}") != target:
+            raise HandleError(gone)  # the descriptor (or the pid) was reused
+        st = os.fstat(fd)
+        if st.st_size < nbytes:
+            raise HandleError(f"segment {name!r} has {st.st_size} B, the handle says {nbytes} B")
+        # the whole memfd, as its owner rounded it: whole huge pages, aligned like the owner's
+        size = st.st_size
+        kind = PageKind.HUGETLB if st.st_blksize > mmap.PAGESIZE else PageKind.THP  # hugetlb: its page size
+        mm, arr = _map(fd, nbytes, size, kind)
+    finally:
+        os.close(fd)
+    return Segment(name, proc, nbytes, mm, arr, owner=False, kind=kind, mapped=size)
 
 
 def attach(name: str, nbytes: int, directory: str | None = None) -> Segment:
-    """Map an existing segment created by another process (never unlinks it)."""
-    if not name.startswith(PREFIX) or "/" in name:
-        raise HandleError(f"{name!r} is not a kvfabric shared-memory segment name")
+    """Map an existing segment created by another process (never unlinks it); ``name`` is
+    the creator's :attr:`Segment.ref`."""
+    if "@" in name and name.startswith(PREFIX) and "/" not in name:
+        return _attach_memfd(name, nbytes)
     d = directory or shm_dir()
-    path = os.path.join(d, name)
+    kind = PageKind.SMALL
+    if name.startswith("/"):  # a persistent segment on a hugetlbfs mount
+        base = os.path.basename(name)
+        if not base.startswith(PREFIX) or os.path.dirname(name) not in support(d).hugetlbfs:
+            raise HandleError(f"{name!r} is not a kvfabric segment on a hugetlbfs mount")
+        path, name, kind = name, base, PageKind.HUGETLB
+    elif not name.startswith(PREFIX) or "/" in name:
+        raise HandleError(f"{name!r} is not a kvfabric shared-memory segment name")
+    else:
+        path = os.path.join(d, name)
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError as e:
         raise HandleError(f"shared-memory segment {name!r} is gone (its owner freed it or exited)") from e
     try:
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            raise HandleError(f"segment {name!r} has {size} B, the handle says {nbytes} B")
-        mm, arr = _map(fd, nbytes)
+        st = os.fstat(fd)
+        if st.st_size < nbytes:
+            raise HandleError(f"segment {name!r} has {st.st_size} B, the handle says {nbytes} B")
+        size = min(round_up(nbytes, st.st_blksize), st.st_size) if kind is PageKind.HUGETLB else nbytes
+        mm, arr = _map(fd, nbytes, size, kind)
     finally:
         os.close(fd)
-    return Segment(name, path, nbytes, mm, arr, owner=False)
+    return Segment(name, path, nbytes, mm, arr, owner=False, kind=kind, mapped=size)
 
 
 def _free_bytes(d: str) -> int:
@@ -322,6 +555,8 @@ def _unlink_all_owned() -> None:
         items = list(_owned.items())
     for name, path in items:
         _unlink(name, path)
+    for name in list(_owned_fds):
+        _close_fd(name)
 
 
 def _after_fork_in_child() -> None:
@@ -329,6 +564,12 @@ def _after_fork_in_child() -> None:
     global _MY_START, _owned_lock
     _owned_lock = threading.Lock()
     _owned.clear()
+    for fd in _owned_fds.values():  # the parent's memfd segments: theirs to free, not the child's
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _owned_fds.clear()
     _MY_START = _start_time(os.getpid()) or 0
 
 

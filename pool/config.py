@@ -112,6 +112,11 @@ class PoolConfig:
         100.0, doc="daemon: poll a Unix connection this long for a request, then sleep", lo=0, hi=10_000
     )
     pretouch: bool = setting(True, doc="fault the service's window in at start (first touch is slow)")
+    hugepages: str = setting(
+        "",
+        doc="pages of the service's window: auto, on, off, thp, hugetlb ('' -> the platform's)",
+        choices=("", "auto", "on", "off", "thp", "hugetlb"),
+    )
     rendezvous: str = setting("", doc="'' -> the node hosts one; else a store url (etcd://host:port)")
     session_ttl_s: float = setting(
         10.0, doc="a rank silent this long is probed, then dropped if stopped or gone", gt=0

@@ -27,12 +27,14 @@ from kvfabric.platform.base import Platform
 from kvfabric.platform.buffer import Buffer
 from kvfabric.platform.handles import HandleRecord
 from kvfabric.platform.hostwrap import host_wrap_info
+from kvfabric.platform.hugepages import HugePages
 from kvfabric.platform.sim.copier import HostCopier
 from kvfabric.platform.sim.cost import DEFAULT_MODEL, CostLedger, CostModel
 from kvfabric.platform.sim.faults import CopyFault, FaultInjector
 from kvfabric.platform.sim.streams import SimEventState, SimStreamWorker
 from kvfabric.platform.stream import Event, Stream
 from kvfabric.platform.types import CopyBatch, DeviceInfo, Direction, Medium, PlatformInfo
+from kvfabric.settings import coerce_fields, setting
 
 _swept_dirs: set[str] = set()
 _sweep_lock = threading.Lock()
@@ -46,7 +48,9 @@ class SimConfig:
     shared-memory directory's free space still applies). ``sweep_on_start``: unlink
     segments left by dead processes when the first platform of a process starts.
     ``copy_threads``: threads a large host copy is split across (None: ``KVFABRIC_COPY_THREADS``,
-    else the usable cores, at most 4; see ``copier.py``).
+    else the usable cores, at most 4; see ``copier.py``). ``hugepages``: the pages of shareable
+    buffers and named segments (``auto``, ``on``, ``off``, ``thp``, ``hugetlb``; None:
+    ``KVFABRIC_HUGEPAGES``, default auto; see ``platform/hugepages.py``).
     """
 
     cost_model: CostModel = field(default_factory=lambda: CostModel.preset(DEFAULT_MODEL))
@@ -54,8 +58,12 @@ class SimConfig:
     shm_dir: str | None = None
     sweep_on_start: bool = True
     copy_threads: int | None = None
+    hugepages: HugePages | None = setting(
+        None, doc="pages of shareable buffers: auto, on, off, thp, hugetlb (None: KVFABRIC_HUGEPAGES)"
+    )
 
     def __post_init__(self) -> None:
+        coerce_fields(self, lambda key: f"sim config {key}")
         if self.copy_threads is not None and self.copy_threads < 1:
             raise ValueError(f"SimConfig.copy_threads must be >= 1 or None, got {self.copy_threads}")
         if self.alloc_cap is not None and self.alloc_cap < 0:
@@ -113,6 +121,11 @@ class SimPlatform(Platform):
         return self._copier.threads
 
     @property
+    def hugepages(self) -> HugePages:
+        """The ``hugepages`` mode the next shareable allocation uses (``shm.effective_hugepages``)."""
+        return shm.effective_hugepages(self.config.hugepages)
+
+    @property
     def owned_bytes(self) -> int:
         return self._owned_bytes
 
@@ -120,7 +133,7 @@ class SimPlatform(Platform):
         self._reserve(nbytes, medium)
         try:
             if shareable:
-                seg = shm.create(nbytes, self.config.shm_dir)
+                seg = shm.create(nbytes, self.config.shm_dir, self.hugepages)
                 return seg.ptr, seg
             mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             shm.advise_huge(mm, nbytes)
@@ -133,7 +146,7 @@ class SimPlatform(Platform):
     def _alloc_named(self, name: str, nbytes: int) -> tuple[int, Any, bool]:
         self._reserve(nbytes, Medium.DRAM)
         try:
-            seg, created = shm.open_named(name, nbytes, self.config.shm_dir)
+            seg, created = shm.open_named(name, nbytes, self.config.shm_dir, self.hugepages)
         except BaseException:
             self._release_bytes(nbytes)
             raise
@@ -182,7 +195,7 @@ class SimPlatform(Platform):
         seg = buf.impl
         if not isinstance(seg, shm.Segment):
             raise ValueError(f"{buf!r} is not backed by shared memory")
-        return seg.name.encode()
+        return seg.ref.encode()
 
     def _import(self, rec: HandleRecord) -> tuple[int, Any]:
         seg = shm.attach(rec.payload.decode(), rec.nbytes, self.config.shm_dir)

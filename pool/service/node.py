@@ -140,7 +140,8 @@ class PoolNode:
     def _start(self) -> None:
         if self.persistent and self.config.dram:
             try:
-                self.window, created = self.platform.alloc_named(self._name("window"), self.config.dram)
+                with shm.hugepages_for(self.config.hugepages or None):
+                    self.window, created = self.platform.alloc_named(self._name("window"), self.config.dram)
             except HandleError as e:
                 path = os.path.join(shm.shm_dir(), shm.NAMED + self._name("window"))
                 raise HandleError(
@@ -176,7 +177,8 @@ class PoolNode:
         )
         if self.config.dram:
             if self.window is None:
-                self.window = self.platform.alloc(self.config.dram, Medium.DRAM, shareable=True)
+                with shm.hugepages_for(self.config.hugepages or None):
+                    self.window = self.platform.alloc(self.config.dram, Medium.DRAM, shareable=True)
             if self.config.pretouch and not self._window_found:
                 _pretouch(self.window, lambda: self._stage(StartStage.PRETOUCH))
         windows: dict[Medium, Any] = {Medium.DRAM: self.window} if self.window is not None else {}
