@@ -9,6 +9,13 @@ same working set, interleaved round by round with the measured copies so both se
 same machine load. Figures are medians over rounds. On ``sim`` a copy of 4 MiB or more is
 split across ``copy_threads`` threads (``copy_threads`` in each row), while the baseline is
 one ``numpy.copyto`` on one thread: from 16 MiB up the ratio measures that split too.
+
+Pages (the ``pages`` field): the cross-process rows run once per page kind this machine
+gives a shared window now (``4k``; ``thp`` with ``shmem_enabled`` = advise or always;
+``hugetlb`` with enough reserved pages free; ``bench/pages.py``), one peer process per kind,
+all in the same rounds next to the same baseline; a kind not available is a row with
+``skipped`` and the reason. ``pages`` is what the mapped window really is on. The
+in-process rows copy between private buffers (``pages`` says whether they ask for THP).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvfabric.bench import pages as pg
 from kvfabric.bench.report import BenchContext, machine_note
 from kvfabric.harness.peer import PeerWindow
 from kvfabric.platform.registry import create
@@ -55,15 +63,22 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     ws = (128 if ctx.quick else 256) * MiB
     rounds = max(ctx.rounds, 5)
     plat = create(ctx.platform)
-    peer = PeerWindow.start(plat.name, ws)
+    kinds, skipped = pg.kinds(ws, 1)
+    yield from ({"case": "cross-process", "platform": plat.name, **r} for r in skipped)
+    peers: list[PeerWindow] = []
     try:
+        for kind in kinds:
+            with pg.peer_pages(kind):
+                peers.append(PeerWindow.start(plat.name, ws))
         src = plat.alloc(ws, Medium.DRAM)
         dst = plat.alloc(ws, Medium.HBM)
-        remote = plat.import_handle(peer.handle)
+        remotes = [plat.import_handle(p.handle) for p in peers]
         src.numpy()[:] = 1
         plat.copy(dst, src)
-        plat.copy(remote, src)
-        plat.copy(src, remote)
+        for remote in remotes:
+            plat.copy(remote, src)
+            plat.copy(src, remote)
+        private = "thp" if _thp_private() else "4k"
         base_a = np.ones(ws, np.uint8)
         base_b = np.zeros(ws, np.uint8)
         cost = getattr(plat, "config", None)
@@ -72,17 +87,25 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
             slots = min(ws // size, MAX_SLOTS)
             offs = [i * size for i in range(slots)]
             base = [lambda o=o, n=size: np.copyto(base_b[o : o + n], base_a[o : o + n]) for o in offs]
-            cases = {
-                ("in-process", "h2d"): [(dst.at(o, size), src.at(o, size)) for o in offs],
-                ("cross-process", "write"): [(remote.at(o, size), src.at(o, size)) for o in offs],
-                ("cross-process", "read"): [(src.at(o, size), remote.at(o, size)) for o in offs],
-            }
-            for (case, op), pairs in cases.items():
+            cases = {("in-process", "h2d", private): [(dst.at(o, size), src.at(o, size)) for o in offs]}
+            for remote in remotes:
+                kind = pg.pages_of(remote)
+                cases[("cross-process", "write", kind)] = [
+                    (remote.at(o, size), src.at(o, size)) for o in offs
+                ]
+                cases[("cross-process", "read", kind)] = [(src.at(o, size), remote.at(o, size)) for o in offs]
+            huge = {}  # the window side's KiB on huge pages now (smaps), per case
+            for (case, _op, _kind), pairs in cases.items():
+                win = pairs[0][0] if case == "in-process" or _op == "write" else pairs[0][1]
+                huge[id(pairs)] = pg.huge_mapped_kib(win.ptr)
+            for (case, op, kind), pairs in cases.items():
                 ours = [lambda d=d, s=s: plat.copy(d, s) for d, s in pairs]
                 t, tb = _measure(ours, base, rounds)
                 row: dict[str, Any] = {
                     "case": case,
                     "op": op,
+                    "pages": kind,
+                    "huge_mapped_kib": huge.get(id(pairs), 0),
                     "platform": plat.name,
                     "nbytes": size,
                     "working_set": slots * size,
@@ -103,4 +126,14 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
                 yield row
     finally:
         plat.close()
-        peer.stop()
+        for peer in peers:
+            peer.stop()
+
+
+def _thp_private() -> bool:
+    """Whether private buffers of 4 MiB and more get transparent huge pages (they ask)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False

@@ -21,6 +21,12 @@ Cases (every row: ``nbytes``, ``pieces``, ``gbps``, ``memcpy_gbps``, ``ratio_vs_
 
 Working sets are larger than the CPU caches (slots at increasing offsets) and every
 buffer is pre-touched.
+
+Pages (the ``pages`` field of the mapped rows): one peer rank per page kind this machine
+gives a shared window now (``4k``; ``thp`` with ``shmem_enabled`` = advise or always;
+``hugetlb`` with enough reserved pages free; ``bench/pages.py``), measured size by size in
+the same run, each next to numpy memcpy into that same window; a kind not available is a
+row with ``skipped`` and the reason.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from kvfabric.bench import pages as pg
 from kvfabric.bench.gva_peer import GvaPeer
 from kvfabric.bench.report import BenchContext, machine_note
 from kvfabric.bench.timing import Timing, load_note, measure
@@ -83,38 +90,56 @@ def run_mapped(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     sizes = QUICK_SIZES if ctx.quick else FULL_SIZES
     ws = (128 if ctx.quick else 256) * MiB
     rounds = max(ctx.rounds, 5)
+    kinds, skipped = pg.kinds(ws, 1)
+    yield from ({"case": "mapped", **r} for r in skipped)
     with RendezvousServer() as srv:
-        peer = GvaPeer.start(srv.url, ws, ctx.platform)
+        peers: list[GvaPeer] = []
         plat = create(ctx.platform)
-        fab = Fabric.join(srv.url, plat)
+        fab = None
         try:
-            fab.wait_for(lambda t: peer.rank in t.ranks, 30)
-            remote = fab.gva(Medium.DRAM, 0, rank=peer.rank)
+            for kind in kinds:
+                with pg.peer_pages(kind):
+                    peers.append(GvaPeer.start(srv.url, ws, ctx.platform))
+            fab = Fabric.join(srv.url, plat)
+            fab.wait_for(lambda t: all(p.rank in t.ranks for p in peers), 30)
+            remotes = [fab.gva(Medium.DRAM, 0, rank=p.rank) for p in peers]
             src = plat.alloc(ws, Medium.DRAM)
             src.numpy()[:] = 1
             # The baseline copies between the same kinds of memory (numpy views of the source
             # buffer and of the peer's window mapped here; private numpy arrays would get huge
-            # pages the shared window does not have) but other slots of them, so neither side
+            # pages a 4k shared window does not have) but other slots of them, so neither side
             # finds the bytes the other just moved in the cache. Calls alternate A B A B.
-            win = fab.resolve(remote, ws).buffer.numpy()
+            wins, kinds_of = [], []
+            for remote in remotes:
+                buf = fab.resolve(remote, ws).buffer
+                wins.append(buf.numpy())
+                kinds_of.append(pg.pages_of(buf))
+                wins[-1][:] = 2  # touch the mapping here too
             srcv = src.numpy()
-            win[:] = 2  # touch the mapping here too
             for size in sizes:
                 half = max(min(ws // size, 2 * MAX_SLOTS) // 2, 1)
-                ours = [
-                    lambda o=i * size, n=size: fab.xcopy_sync(remote + o, src.at(o, n), n)
-                    for i in range(half)
-                ]
-                base = [
-                    lambda o=(half + i) * size, n=size: np.copyto(win[o : o + n], srcv[o : o + n])
-                    for i in range(half)
-                ]
-                yield row("mapped", size, 1, measure(ours, base, rounds), rounds, platform=plat.name)
-            yield block_row(fab, plat.name, remote, src, win, srcv, ws, rounds)
+                for remote, win, kind in zip(remotes, wins, kinds_of):
+                    ours = [
+                        lambda o=i * size, n=size, r=remote: fab.xcopy_sync(r + o, src.at(o, n), n)
+                        for i in range(half)
+                    ]
+                    base = [
+                        lambda o=(half + i) * size, n=size, w=win: np.copyto(w[o : o + n], srcv[o : o + n])
+                        for i in range(half)
+                    ]
+                    t = measure(ours, base, rounds)
+                    huge = pg.huge_mapped_kib(int(win.ctypes.data))
+                    yield row(
+                        "mapped", size, 1, t, rounds, platform=plat.name, pages=kind, huge_mapped_kib=huge
+                    )
+            for remote, win, kind in zip(remotes, wins, kinds_of):
+                yield {**block_row(fab, plat.name, remote, src, win, srcv, ws, rounds), "pages": kind}
         finally:
-            fab.leave()
+            if fab is not None:
+                fab.leave()
             plat.close()
-            peer.stop()
+            for peer in peers:
+                peer.stop()
 
 
 def block_row(
