@@ -58,6 +58,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         con.print(t)
     except Exception as e:  # noqa: BLE001 - info reports what it can
         con.print(f"[red]platform {name!r} could not start: {e}[/]")
+    from kvfabric.platform import hugepages, shm
+
+    sup = hugepages.support(shm.shm_dir())
+    con.print(f"huge pages (shared windows): {sup.describe()}; hugepages={shm.default_hugepages().value}")
     deps = Table("package", "version")
     for dist in OPTIONAL_DEPS:
         deps.add_row(dist, _version(dist))
