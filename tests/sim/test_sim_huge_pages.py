@@ -144,7 +144,9 @@ def test_without_huge_pages_auto_falls_back_to_4k_and_on_names_what_is_missing(i
         try:
             b = auto.alloc(8 * MiB, Medium.DRAM, shareable=True)
             assert b.impl.kind is PageKind.SMALL
-            assert peer_view(auto, b)["smaps"]["KernelPageSize"] == "4"
+            b.numpy()[:] = 1
+            got = smaps_of(b.ptr)
+            assert got["KernelPageSize"] == "4" and got["ShmemPmdMapped"] == "0", got
         finally:
             auto.close()
         for mode, words in [
@@ -250,3 +252,29 @@ def test_pool_window_follows_the_pool_hugepages_setting(isolated_shm):
             assert pool.window is not None and pool.window.impl.kind is PageKind.THP
         finally:
             pool.close()
+
+
+def test_persistent_segment_on_hugetlbfs_is_found_again_and_unlinked(isolated_shm, tmp_path):
+    mnt = tmp_path / "hugetlbfs"
+    mnt.mkdir()
+    with machine(nr_hugepages=4):
+        if subprocess.run(["mount", "-t", "hugetlbfs", "none", str(mnt)], capture_output=True).returncode:
+            pytest.skip("cannot mount hugetlbfs here")
+        try:
+            plat = SimPlatform(config=SimConfig(hugepages="on"))
+            try:
+                b, created = plat.alloc_named("hp-window", 3 * MiB)
+                assert created and b.impl.kind is PageKind.HUGETLB
+                assert os.listdir(mnt) == ["kvf.n.hp-window"] and os.listdir(isolated_shm) == []
+                b.numpy()[:] = 4
+                peer = peer_view(plat, b)  # the handle is the file's path on the mount
+                assert peer["first"] == 4 and peer["smaps"]["KernelPageSize"] == "2048", peer
+                plat.free(b)
+                again, created = plat.alloc_named("hp-window", 3 * MiB)  # a restart re-attaches
+                assert not created and int(again.numpy()[0]) == 4 and int(again.numpy()[-1]) == 9
+                plat.free(again)
+                assert plat.unlink_named("hp-window") and os.listdir(mnt) == []
+            finally:
+                plat.close()
+        finally:
+            subprocess.run(["umount", str(mnt)], check=False)
