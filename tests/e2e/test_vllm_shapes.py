@@ -5,11 +5,20 @@ serve``): the engine core (the scheduler connector) and the worker (the worker c
 are separate processes. With the README's configuration and no ``pool_address`` the
 first of them starts the node's pool daemon and the other joins it, so the same prompt
 twice loads every full block the first run stored, with the same tokens; the daemon goes
-away after the engine (no process, no shared-memory segment left). A ``cache`` store
-alone cannot be shared by those processes: the engine refuses to start, naming the fix.
+away after the engine (no process, no shared-memory segment left). The connector's spans
+go to an OTLP/HTTP receiver on 127.0.0.1 from both processes: each request's
+``kvfabric.request`` root (the scheduler's process) is the parent of its ``kvfabric.load``
+/ ``kvfabric.dump`` spans (the worker's process, linked through the traceparent the step
+plan carried), which lie inside it. A ``cache`` store alone cannot be shared by those
+processes: the engine refuses to start, naming the fix.
 """
 
 from __future__ import annotations
+
+import gzip
+import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,6 +47,100 @@ def _run(engine, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], in
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
+class Collector:
+    """An OTLP/HTTP trace receiver on 127.0.0.1, what a collector would be: every span it
+    is sent, with the ``process.pid`` of the exporting process's resource."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        self.spans: list[tuple[int, Any]] = []
+        lock = threading.Lock()
+        spans = self.spans
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                with lock:
+                    for rs in req.resource_spans:
+                        attrs = {a.key: a.value for a in rs.resource.attributes}
+                        pid = attrs["process.pid"].int_value if "process.pid" in attrs else -1
+                        spans.extend((pid, sp) for ss in rs.scope_spans for sp in ss.spans)
+                out = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def named(self, name: str) -> list[tuple[int, Any]]:
+        return [(pid, s) for pid, s in list(self.spans) if s.name == name]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def collector(monkeypatch):
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # vLLM's processes export within 0.1 s
+    c = Collector()
+    yield c
+    c.close()
+
+
+def _attr(span: Any, key: str) -> Any:
+    for a in span.attributes:
+        if a.key == key:
+            v = a.value
+            return getattr(v, v.WhichOneof("value"))
+    raise KeyError(key)
+
+
+def _check_spans(collector: Collector, timeout_s: float = 20.0) -> None:
+    """Both requests' roots, the warm one's load and the cold one's dumps arrived, linked
+    across the two processes, children inside their roots."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        roots, loads = collector.named("kvfabric.request"), collector.named("kvfabric.load")
+        if len(roots) >= 2 and loads and collector.named("kvfabric.dump"):
+            break
+        time.sleep(0.1)
+    roots = {s.span_id: (pid, s) for pid, s in collector.named("kvfabric.request")}
+    assert len(roots) == 2, [s.name for _, s in collector.spans]
+    worker_spans = collector.named("kvfabric.load") + collector.named("kvfabric.dump")
+    assert {s.name for _, s in worker_spans} == {"kvfabric.load", "kvfabric.dump"}
+    for pid, s in worker_spans + collector.named("kvfabric.lookup"):
+        root_pid, root = roots[s.parent_span_id]
+        assert s.trace_id == root.trace_id
+        assert root.start_time_unix_nano <= s.start_time_unix_nano < s.end_time_unix_nano
+        assert s.end_time_unix_nano <= root.end_time_unix_nano, s.name
+        assert _attr(s, "req_id") == _attr(root, "req_id")
+        if s.name != "kvfabric.lookup":  # the worker's spans: another process than the root's
+            assert pid != root_pid and pid > 0
+    ((_, load),) = collector.named("kvfabric.load")
+    assert _attr(load, "blocks") == FULL_BLOCKS and _attr(load, "store_tier") in ("cache", "pool")
+    _, warm = roots[load.parent_span_id]
+    assert _attr(warm, "hit_tokens") == FULL_BLOCKS * BLOCK_SIZE and _attr(warm, "store") == "cache|pool"
+
+
 @pytest.fixture
 def runtime(tmp_path, monkeypatch):
     """The auto-started daemon's socket under the test's directory (vLLM's processes
@@ -47,10 +150,10 @@ def runtime(tmp_path, monkeypatch):
 
 
 def test_readme_config_with_vllm_multiprocessing_hits_through_the_auto_started_daemon(
-    tiny_model, runtime, isolated_shm
+    tiny_model, runtime, isolated_shm, collector
 ):
     sock = str(runtime / f"kvfabric-pool-{POOL}.sock")
-    cfg = pool_transfer_config(POOL, "64MiB", "128MiB")
+    cfg = pool_transfer_config(POOL, "64MiB", "128MiB", otlp_endpoint=collector.endpoint)
     eng = make_engine(tiny_model, cfg, kv_bytes=64 << 20, in_process=False)
     try:
         prompt = _prompt(21)
@@ -63,6 +166,7 @@ def test_readme_config_with_vllm_multiprocessing_hits_through_the_auto_started_d
         second, cached = _run(eng, prompt)
         assert second == first
         assert cached == FULL_BLOCKS * BLOCK_SIZE  # every full block came from the pool
+        _check_spans(collector)
     finally:
         eng.close()
     wait_gone(pid, sock, timeout=60)  # with its last client

@@ -36,7 +36,9 @@ config, or ``OTEL_EXPORTER_OTLP_ENDPOINT``) and the ``otel`` extra is installed,
 process installed an OpenTelemetry ``TracerProvider`` with :func:`use_tracer_provider`
 before the connector was built (tests, applications that run vLLM in process and export
 their own spans). Otherwise every call costs one attribute check, nothing is imported,
-and the plan carries no trace context. The OTLP exporter is set up once per process.
+and the plan carries no trace context. The OTLP exporter is set up once per process (resource
+``service.name=kvfabric`` and the exporting process's ``process.pid``), with the SDK's
+batching processor (``OTEL_BSP_*`` variables tune it).
 
 Not thread-safe beyond the OpenTelemetry SDK's own guarantees: each role calls its
 :class:`RequestSpans` / :class:`Tracer` from vLLM's one thread of that role.
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -101,7 +104,8 @@ def _otel_tracer(endpoint: str) -> Any:
             url = endpoint.rstrip("/")
             if not url.endswith("/v1/traces"):
                 url += "/v1/traces"
-            provider = TracerProvider(resource=Resource.create({"service.name": "kvfabric"}))
+            resource = Resource.create({"service.name": "kvfabric", "process.pid": os.getpid()})
+            provider = TracerProvider(resource=resource)
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
             tracer = provider.get_tracer("kvfabric")
             log.info("kvfabric: exporting OpenTelemetry spans to %s", url)
@@ -211,7 +215,13 @@ class RequestSpans:
         if not self.tracer.enabled or req_id in self._open:
             return
         span = self.tracer.start(
-            ROOT, time.time_ns(), req_id=req_id, requested_tokens=requested_tokens, **self.attrs
+            ROOT,
+            time.time_ns(),
+            req_id=req_id,
+            requested_tokens=requested_tokens,
+            hit_tokens=0,
+            hit_rate=0.0,
+            **self.attrs,
         )
         self._open[req_id] = _Root(span, traceparent(span))
         if len(self._open) > self.max_open:
