@@ -282,3 +282,21 @@ def test_cli_json_rows(tmp_path, capsys):
     assert main(["sim", "--trace", str(trace), "--set", "nodes=0", *cal]) == 2
     assert "sim cluster nodes='0'" in capsys.readouterr().err
     assert np.isfinite(row["ttft_p50_s"])
+
+
+def test_cli_calibrate_writes_what_sim_reads(tmp_path, capsys):
+    rows = tmp_path / "bench.jsonl"
+    ttft = [{"case": "ttft", "prompt_tokens": n, "ttft_cold_s": 0.1 + n / 1000} for n in (512, 2048)]
+    rows.write_text("log line\n" + "\n".join(json.dumps(r) for r in ttft) + "\n")
+    out = tmp_path / "cal.yaml"
+    args = ["sim", "calibrate", str(rows), "-o", str(out)]
+    assert main([*args, "--cal", "decode_tokens_per_s=50"]) == 2  # no dram_load_gbps measured
+    assert "dram_load_gbps is neither in the rows nor given" in capsys.readouterr().err
+    assert main([*args, "--cal", "decode_tokens_per_s=50", "--cal", "dram_load_gbps=3"]) == 0
+    cal = load_calibration(out)
+    assert cal.prefill_tokens_per_s == pytest.approx(1000) and cal.dram_load_gbps == 3
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"arrival_s": 0, "hash_ids": [1, 2], "prompt_tokens": 70}) + "\n")
+    assert main(["sim", "--trace", str(trace), "--calibration", str(out), "--no-progress", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["ttft_p50_s"] == pytest.approx(cal.prefill_s(70, 0))
