@@ -93,6 +93,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         options["threads"] = args.threads
+    if args.plot is not None:
+        options["plot_dir"] = args.plot
     ctx = BenchContext(quick=args.quick, rounds=args.rounds, platform=args.platform, options=options)
     run(args.name, ctx, as_json=args.json)
     return 0
@@ -182,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="run the stack end to end on the embedded default").set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="run a benchmark from bench/")
     b.add_argument(
-        "name", help="benchmark name (copy, xcopy, pool, rpc, kv-events, store, e2e, gsa, sparse-vllm)"
+        "name", help="benchmark name (copy, xcopy, pool, rpc, kv-events, store, e2e, serve, gsa, sparse-vllm)"
     )
     b.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
     b.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -191,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="bench-results", help="directory for plots and files (default ./bench-results)"
     )
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads for timed work (gsa)")
+    b.add_argument("--plot", metavar="DIR", default=None, help="PNG plot into DIR (serve)")
     b.set_defaults(fn=cmd_bench)
     d = sub.add_parser("doctor", help="why is my hit rate zero: hashing, fingerprints, the store")
     d.add_argument(

@@ -21,6 +21,7 @@ _BUILTIN: dict[str, str] = {
     "rpc": "kvfabric.bench.rpc:run",
     "kv-events": "kvfabric.bench.kv_events:run",
     "store": "kvfabric.bench.store:run",
+    "serve": "kvfabric.bench.serve:run",
 }
 BENCHMARKS: Registry = Registry("benchmark", _BUILTIN)
 
