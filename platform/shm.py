@@ -188,6 +188,7 @@ def advise_huge(mm: mmap.mmap, nbytes: int) -> None:
             pass
 
 
+SMALLEST_HUGE_PAGE = 2 << 20  # auto never puts a segment below this on huge pages (no sysfs read)
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in for writing, errors instead of SIGBUS
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -272,7 +273,7 @@ def create(nbytes: int, directory: str | None = None, hugepages: HugePages | str
     d = directory or shm_dir()
     mode = HugePages.parse(hugepages)
     name = _new_name()
-    if mode is not HugePages.OFF:
+    if mode is not HugePages.OFF and not (mode is HugePages.AUTO and nbytes < SMALLEST_HUGE_PAGE):
         sup = support(d)
         kind = choose(mode, nbytes, sup)
         if kind is not PageKind.SMALL:
