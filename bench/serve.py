@@ -12,9 +12,10 @@ Configurations, in this order, each an engine in its own process (``bench/serve_
 a crash or a timeout becomes a row with the error):
 
 * ``vllm`` (baseline): vLLM alone, its own prefix cache on;
-* peers: ``ExampleConnector`` (safetensors files), ``OffloadingConnector`` (vLLM's CPU
-  offloading), ``LMCacheConnectorV1``, ``MooncakeStoreConnector``; one that cannot start
-  here is a row with ``status: error`` and the reason;
+* peers: ``ExampleConnector`` (safetensors files), ``OffloadingConnector`` and
+  ``SimpleCPUOffloadConnector`` (vLLM's CPU offloading), ``LMCacheConnectorV1``,
+  ``MooncakeStoreConnector``; one that cannot start here is a row with ``status: error``
+  and the reason;
 * ``kvfabric cache|pool``: a process-local cache tier above a pool daemon this benchmark
   starts (``kvfabric pool serve``); this engine also measures the warm single-request floor
   (row ``phase: warm_single``: ``ttft_floor_s``, ``ratio_warm_ttft_vs_floor`` and a
@@ -98,6 +99,15 @@ def configs(tmp: str, pool_socket: str, preset: Preset, bytes_per_token: int) ->
             ConfigKind.PEER,
             {
                 "kv_connector": "OffloadingConnector",
+                **both,
+                "kv_connector_extra_config": {"cpu_bytes_to_use": tier},
+            },
+        ),
+        Config(
+            "SimpleCPUOffloadConnector",
+            ConfigKind.PEER,
+            {
+                "kv_connector": "SimpleCPUOffloadConnector",
                 **both,
                 "kv_connector_extra_config": {"cpu_bytes_to_use": tier},
             },
