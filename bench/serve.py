@@ -26,8 +26,9 @@ a crash or a timeout becomes a row with the error):
   the reuse no single-engine cache serves. Engines run one after another (one engine at a
   time on this machine); the daemon outlives the first.
 
-Before each engine starts, the run waits while another process named ``EngineCore`` runs
-(``pgrep -f EngineCore``; other work on the machine). At the end the daemon and every child
+Before each engine starts, the run waits while another vLLM engine runs on the machine (a
+process named ``EngineCore``, or one with vLLM's compiled ops mapped). SIGTERM, like
+Ctrl-C, stops the child and the daemon before the run exits. At the end the daemon and every child
 are stopped; rows carry ``shm_segments_left``, the ``/dev/shm`` entries of this run's pool
 (named after ``POOL_NAME``) still there (0 expected).
 """
@@ -126,15 +127,25 @@ def configs(tmp: str, pool_socket: str, preset: Preset, bytes_per_token: int) ->
 
 
 def _other_engines() -> list[str]:
-    """Command lines of processes named ``EngineCore`` other than this run's."""
-    try:
-        out = subprocess.run(
-            ["pgrep", "-af", "EngineCore"], capture_output=True, text=True, timeout=10
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    me = {str(os.getpid())}
-    return [ln for ln in out.splitlines() if ln.split(" ", 1)[0] not in me and "pgrep" not in ln]
+    """Command lines of other processes that run a vLLM engine: named ``EngineCore``
+    (vLLM's engine-core process), or with vLLM's compiled ops mapped (an engine in
+    process, e.g. another benchmark)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            if "EngineCore" in cmd and "pgrep" not in cmd:
+                found.append(f"{pid} {cmd}")
+                continue
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                if b"/vllm/_C" in f.read():
+                    found.append(f"{pid} {cmd}")
+        except OSError:
+            continue
+    return found
 
 
 def _wait_for_machine(max_wait_s: float = 900.0) -> float:
@@ -144,6 +155,10 @@ def _wait_for_machine(max_wait_s: float = 900.0) -> float:
         _say(f"waiting: another engine runs ({others[0][:80]})")
         time.sleep(10)
     return time.perf_counter() - t0
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _shm() -> set[str]:
@@ -366,6 +381,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     )
     daemon = None
     rows: list[dict[str, Any]] = []
+    prev_term = signal.signal(signal.SIGTERM, _terminate)  # cleanup below runs on SIGTERM too
     try:
         daemon, sock = _start_pool(tmp, 4 * preset.working_set_tokens * bpt, env)
         qps: float | None = None
@@ -420,6 +436,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
         if daemon is not None:
             _stop_group(daemon)
         shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, prev_term)
     left = sorted(n for n in _shm() - shm0 if POOL_NAME in n)
     busy = cpu_busy_fraction((cpu0, read_cpu_row()))
     rows = add_ratios(rows)
