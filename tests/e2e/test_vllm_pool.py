@@ -17,6 +17,8 @@ import logging
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -102,6 +104,21 @@ class Subscriber:
         self._ctx.term()
 
 
+def _connector_ids(hasher, events: list) -> np.ndarray:
+    """The connector's block ids of the blocks ``events`` (vLLM's ``BlockStored``, in stream
+    order) announce: each run's ids chained from the id of its parent block."""
+    id_of: dict[bytes, np.ndarray] = {}
+    rows = []
+    for e in events:
+        parent = None
+        if e.parent_block_hash is not None:
+            parent = id_of[e.parent_block_hash]  # announced before its children
+        for h, row in zip(e.block_hashes, hasher.hash_engine(e.block_hashes, parent), strict=True):
+            id_of[h] = row
+            rows.append(row)
+    return np.stack(rows)
+
+
 @pytest.fixture
 def spans():
     """An in-memory span exporter the connectors built meanwhile trace into."""
@@ -161,7 +178,7 @@ def test_cache_pool_same_prompt_twice(tiny_model, monkeypatch, spans):
         chain = [e.parent_block_hash for e in ours[1:]]
         assert chain == [e.block_hashes[-1] for e in ours[:-1]]  # each run follows the last
         sched = next(c for c in eng.connectors() if c.scheduler is not None)
-        ids = sched._hasher.hash_engine(hashes)  # the connector's ids of those vLLM blocks
+        ids = _connector_ids(sched._hasher, ours)  # the connector's ids of those vLLM blocks
         pool = eng.worker().store.lower
         assert pool.lookup(ids).all()
         assert pool.client.info()["objects"] == FULL_BLOCKS  # and the pool holds nothing else
@@ -207,8 +224,59 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_two_engine_processes_share_one_pool_daemon(tiny_model, tmp_path):
-    daemon = Daemon(tmp_path, name="e2e", dram="128MiB").start()
+def _directory(daemon: Daemon) -> set[bytes]:
+    """Every key the daemon's directory holds (its ``/keys`` pages)."""
+    from kvfabric.pool.keys import key_from_text
+
+    keys: list[str] = []
+    start: int | None = 0
+    while start is not None:
+        url = f"http://127.0.0.1:{daemon.ready['http_port']}/keys?start={start}&limit=10000"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            page = json.load(r)
+        keys += page["keys"]
+        start = page["next"]
+    return {key_from_text(k) for k in keys}
+
+
+def _metric(daemon: Daemon, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.ready['http_port']}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_two_engine_processes_share_one_pool_daemon(tiny_model, tmp_path, monkeypatch):
+    """The second engine gets the first one's prefix; it then stores ten more prompts
+    through a 4 MiB pool (64 blocks of 64 KiB: the pool evicts). The daemon's KV events
+    rebuild exactly its directory, and every block the engine's vLLM events announce
+    (kvfabric's BlockStored) was announced stored by the daemon under its pool key."""
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from kvfabric.pool import kv_events as ke
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    events = {"kv_events_endpoint": "tcp://127.0.0.1:0", "kv_events_replay_endpoint": "tcp://127.0.0.1:0"}
+    daemon = Daemon(tmp_path, name="e2e", dram="4MiB", extra=events).start()
+    pool_sub = ke.Subscriber(
+        daemon.ready["kv_events_endpoint"],
+        daemon.ready["kv_events_replay_endpoint"],
+        decoder=msgspec.msgpack.Decoder(type=KVEventBatch).decode,
+    )
+    pool_blocks, pool_stored = ke.BlockSet(), set()
+
+    def follow(timeout_s: float = 0.02) -> int:
+        got = pool_sub.poll(timeout_s)
+        for _, batch in got:
+            pool_blocks.apply(batch)
+            pool_stored.update(
+                h for e in batch.events if type(e).__name__ == "BlockStored" for h in e.block_hashes
+            )
+        return len(got)
+
+    sub = Subscriber()
     try:
         prompt = _prompt(12)
         out = subprocess.run(
@@ -221,15 +289,50 @@ def test_two_engine_processes_share_one_pool_daemon(tiny_model, tmp_path):
         assert out.returncode == 0 and lines, out.stderr[-3000:]
         child = json.loads(lines[-1].split(" ", 1)[1])["tokens"]
         eng = make_engine(
-            tiny_model, kvfabric_transfer_config("pool", pool_address=daemon.socket), kv_bytes=64 << 20
+            tiny_model,
+            kvfabric_transfer_config("pool", pool_address=daemon.socket),
+            kv_bytes=64 << 20,
+            kv_events={
+                "enable_kv_cache_events": True,
+                "endpoint": sub.endpoint,
+                "replay_endpoint": sub.replay_endpoint,
+            },
         )
         try:
             mine = eng.generate([prompt], 12)
             assert mine == child
             assert _worker_totals(eng)["loaded_blocks"] == FULL_BLOCKS
+            follow()
+            eng.generate([_prompt(100 + i) for i in range(10)], 2)  # 90 more blocks: evictions
+            eng.flush()
+            eng.generate([_prompt(12)[:20]], 1)  # its steps carry the last dump reports
+            stored_by_engine = _worker_totals(eng)["saved_blocks"]
+            assert 0 < stored_by_engine <= 10 * FULL_BLOCKS
+            sub.drain(0.3)
+            sub.replay(0)
+            sched = next(c for c in eng.connectors() if c.scheduler is not None)
+            ours = [e for e in sub.events if isinstance(e, BlockStored) and e.ownership == "kvfabric:pool"]
+            hashes = [h for e in ours for h in e.block_hashes]
+            assert len(hashes) == len(set(hashes)) == stored_by_engine
+            ids = _connector_ids(sched._hasher, ours)
         finally:
             eng.close()
+        assert _metric(daemon, "kvfabric_pool_evicted_objects") > 0
+        deadline = time.monotonic() + 15
+        while True:  # the daemon's stream settles on its directory
+            want = _directory(daemon)
+            if not follow() and pool_blocks.keys() != want:
+                pool_sub.resync(pool_blocks)
+            if pool_blocks.keys() == want:
+                break
+            assert time.monotonic() < deadline, len(pool_blocks.keys() ^ want)
+        assert pool_sub.missing == 0 and len(want) < 11 * FULL_BLOCKS  # evicted, rebuilt exactly
+        keys = {ke.block_key("kv", row.tobytes()) for row in ids}
+        assert keys <= pool_stored  # each block the engine announced, the daemon stored
+        assert keys & want and keys - want  # some are still held, some were evicted
     finally:
+        sub.close()
+        pool_sub.close()
         daemon.stop()
 
 
