@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help="run the stack end to end on the embedded default").set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="run a benchmark from bench/")
     b.add_argument(
-        "name", help="benchmark name (copy, xcopy, pool, rpc, kv-events, store, e2e, serve, gsa, sparse-vllm)"
+        "name",
+        help="benchmark name (copy, xcopy, pool, rpc, kv-events, store, e2e, serve, gsa, sparse-vllm, "
+        "cluster)",
     )
     b.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
     b.add_argument("--json", action="store_true", help="one JSON object per line")

@@ -22,6 +22,7 @@ _BUILTIN: dict[str, str] = {
     "kv-events": "kvfabric.bench.kv_events:run",
     "store": "kvfabric.bench.store:run",
     "serve": "kvfabric.bench.serve:run",
+    "cluster": "kvfabric.bench.cluster:run",
 }
 BENCHMARKS: Registry = Registry("benchmark", _BUILTIN)
 
