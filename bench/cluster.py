@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -397,6 +398,11 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
             env=env,
             preexec_fn=die_with_parent,
         )
+    # a cluster that stops answering is stopped (SIGTERM: its finally blocks run) by the
+    # watchdog, whether or not it prints
+    watchdog = threading.Timer(RUN_TIMEOUT_S, proc.terminate)
+    watchdog.daemon = True
+    watchdog.start()
     try:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(json.dumps(req))
@@ -411,10 +417,10 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
                 yield msg["row"]
             elif "error" in msg:
                 error = f"{msg['error']}\n{msg.get('trace', '')}"
-            if time.monotonic() - t0 > RUN_TIMEOUT_S:
-                error = f"the cluster ran past {RUN_TIMEOUT_S:.0f} s; stopped"
-                break
     finally:
+        watchdog.cancel()
+        if time.monotonic() - t0 > RUN_TIMEOUT_S:
+            error = f"the cluster ran past {RUN_TIMEOUT_S:.0f} s; stopped. {error}"
         stop_process(proc, 60)
         if proc.stdout is not None:
             proc.stdout.close()
