@@ -61,7 +61,10 @@ def exporter():
     try:
         yield out
     finally:
+        from kvfabric.ucm_layer.sparse.vllm import timing
+
         tracing.use_tracer_provider(None)
+        timing.clock = None  # a traced worker turned it on for the process
 
 
 def _recorder():
