@@ -321,3 +321,38 @@ def test_a_finished_requests_sparse_selection_is_a_child_of_its_root(plat, tmp_p
     assert 0.003 <= span.attributes["selection_s"] <= (span.end_time - span.start_time) / 1e9
     assert clock.take(7) is None and clock.take(9) is not None  # taken once; the other stays
     w.close()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_the_sparse_runtime_times_each_requests_selections(tmp_path, batched):
+    """The real runtime with GSA: a prefill (dense) then two decode steps past the budget
+    (sparse in both layers) give the request four timed selections."""
+    from kvfabric.ucm_layer.sparse.base import LayerKV, ModelSpec
+    from kvfabric.ucm_layer.sparse.vllm import timing
+    from kvfabric.ucm_layer.sparse.vllm.config import from_mapping
+    from kvfabric.ucm_layer.sparse.vllm.runtime import SparseRuntime
+
+    h, g, d, bs = 2, 3, 32, 32
+    cfg = from_mapping({"algorithm": "gsa", "min_seq_len": 0, "budget_tokens": 4 * bs})
+    spec = ModelSpec(num_layers=2, num_q_heads=h * g, num_kv_heads=h, head_dim=d, block_size=bs)
+    rt = SparseRuntime(cfg, spec, batched=batched)
+    kv = LayerKV(torch.zeros(h, 64, bs, d), torch.zeros(h, 64, bs, d))
+    table = torch.arange(20, dtype=torch.int32).view(1, 20) + 3  # the request's first block: 3
+    clock = timing.enable()
+    try:
+        prompt = 10 * bs + 5
+        for seq, new in ((prompt, prompt), (prompt + 1, 1), (prompt + 2, 1)):
+            qsl = torch.tensor([0, new], dtype=torch.int32)
+            plan = rt.plan(object(), table, torch.tensor([seq], dtype=torch.int32), qsl, kv.num_blocks)
+            q, k, v = torch.randn(new, h * g, d), torch.randn(new, h, d), torch.randn(new, h, d)
+            for layer in range(2):
+                if plan is not None:
+                    rt.layer_begin(plan, layer, (q, k, v), kv)
+                    rt.layer_end(plan, layer, torch.zeros(new, h * g, d), kv)
+        sel = clock.take(3)
+        assert sel is not None and sel.algorithm == "gsa" and sel.sparse_layer_steps == 4
+        assert 0 < sel.selection_s <= (sel.last_ns - sel.first_ns) / 1e9
+        assert clock.take(3) is None
+    finally:
+        timing.clock = None
+        rt.close()
