@@ -84,3 +84,19 @@ def test_kv_read_keeps_compute_saved_apart_and_counts_dense_layer_steps_in_full(
     half = kv_read({**delta, "dense_layer_steps": 4}, geo, batch=2)
     assert half["kv_bytes_per_step"] == 2 * 2 * 3 * 100 * 6
     assert kv_read({}, geo, 1)["kv_bytes_per_step"] is None
+
+
+def test_run_config_from_the_environment(monkeypatch) -> None:
+    import pytest
+
+    from kvfabric.bench.sparse_vllm import RunConfig
+
+    monkeypatch.setenv("KVFABRIC_BENCH_SPARSE_VLLM", '{"cases": ["tiny"], "options": {"rank": 8}}')
+    rc = RunConfig.from_env()
+    assert rc.cases == ("tiny",) and rc.options == (("rank", 8),) and rc.tiny_prompts == 8
+    monkeypatch.setenv("KVFABRIC_BENCH_SPARSE_VLLM", '{"case": ["tiny"]}')
+    with pytest.raises(ValueError, match="unknown keys"):
+        RunConfig.from_env()
+    monkeypatch.setenv("KVFABRIC_BENCH_SPARSE_VLLM", '{"cases": ["big"]}')
+    with pytest.raises(ValueError, match="cases"):
+        RunConfig.from_env()
