@@ -73,3 +73,13 @@ def test_the_dashboard_shows_hit_rate_failures_and_on_node_reads() -> None:
         "kvfabric_pool_local_corrupt_total",
     ):
         assert series in exprs, series
+
+
+def test_the_docs_name_every_span_and_the_dashboard_the_kv_events() -> None:
+    from kvfabric.ucm_layer.connector import tracing
+
+    text = DOC.read_text()
+    for span in (tracing.ROOT, tracing.LOOKUP, tracing.LOAD, tracing.DUMP, tracing.SPARSE):
+        assert f"`{span}`" in text, span
+    exprs = " ".join(_dashboard_exprs())
+    assert "kvfabric_pool_kv_events_dropped_total" in exprs
