@@ -188,6 +188,7 @@ ROW_KEYS = (
     "ratio_ttft_p50_vs_vllm",
     "ratio_requests_per_s_vs_vllm",
     "ratio_vs_best_peer",
+    "ratio_requests_per_s_vs_best_peer",
     "best_peer",
 )
 FIGURES = ("requests_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_rate")
@@ -219,7 +220,8 @@ def add_ratios(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     better: ``ratio_ttft_p50_vs_vllm`` = vLLM-alone's TTFT p50 / the row's,
     ``ratio_requests_per_s_vs_vllm`` = the row's requests/s / vLLM-alone's,
     ``ratio_vs_best_peer`` = the best peer's TTFT p50 / the row's, where the best peer is
-    the ``ok`` peer row of the phase with the lowest TTFT p50 (``best_peer`` names it).
+    the ``ok`` peer row of the phase with the lowest TTFT p50 (``best_peer`` names it),
+    ``ratio_requests_per_s_vs_best_peer`` = the row's requests/s / that peer's.
     Rows without the figure, or a phase without a baseline or a peer, get None."""
     out = [dict(r) for r in rows]
     ok = [r for r in out if r.get("status") == "ok" and isinstance(r.get("ttft_p50_s"), (int, float))]
@@ -238,6 +240,7 @@ def add_ratios(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             r["ratio_requests_per_s_vs_vllm"] = _ratio(r.get("requests_per_s"), b["requests_per_s"])
         if p is not None:
             r["ratio_vs_best_peer"] = _ratio(p["ttft_p50_s"], r.get("ttft_p50_s"))
+            r["ratio_requests_per_s_vs_best_peer"] = _ratio(r.get("requests_per_s"), p["requests_per_s"])
             r["best_peer"] = p["config"]
     return out
 

@@ -115,6 +115,7 @@ def test_ratios_against_vllm_and_the_best_peer() -> None:
     assert k["ratio_ttft_p50_vs_vllm"] == 4.0
     assert k["ratio_requests_per_s_vs_vllm"] == 2.0
     assert k["ratio_vs_best_peer"] == 2.0 and k["best_peer"] == "A"
+    assert k["ratio_requests_per_s_vs_best_peer"] == pytest.approx(1.333, abs=1e-3)
     assert by["vllm", "saturation"]["ratio_ttft_p50_vs_vllm"] == 1.0
     assert by["A", "saturation"]["ratio_vs_best_peer"] == 1.0
     assert by["kvf2", "second_engine"]["ratio_ttft_p50_vs_vllm"] == 8.0  # against saturation
