@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: tests whose subject is a benchmark (its plumbing, its metrics, its registry)
 BENCH_TESTS = {"test_bench_pool.py", "test_bench_rpc.py", "test_bench_xcopy.py", "test_sparse_harness.py"}
 BENCH_TESTS |= {"test_registry_axes.py", "test_bench_compare.py", "test_bench_sparse_vllm.py"}
+BENCH_TESTS |= {"test_bench_serve.py", "test_bench_cluster.py"}
 
 
 def _imports(path: Path) -> set[str]:
