@@ -57,6 +57,9 @@ def exporter():
     out = InMemorySpanExporter()
     provider = sdk.TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(out))
+    from kvfabric.ucm_layer.sparse.vllm import timing as sparse_timing
+
+    sparse_timing.clock = None  # an engine traced earlier in this process left its clock on
     tracing.use_tracer_provider(provider)
     try:
         yield out
@@ -356,3 +359,24 @@ def test_the_sparse_runtime_times_each_requests_selections(tmp_path, batched):
     finally:
         timing.clock = None
         rt.close()
+
+
+def test_a_reused_request_id_starts_a_new_selection_clock():
+    """A request that ended without its selections being taken must not lend them to a
+    later request under the same id (engines reuse ids; the earlier state is another)."""
+    from kvfabric.ucm_layer.sparse.vllm.timing import SelectionClock
+
+    class State:
+        def __init__(self, rid: str, first_block: int) -> None:
+            self.rid, self.first_block = rid, first_block
+
+    clock = SelectionClock()
+    earlier, later = State("0", 7), State("0", 7)
+    clock.step("gsa", [(0, earlier)])
+    clock.selected([0], 100, 200)  # never taken
+    clock.step("gsa", [(0, later)])
+    clock.selected([0], 1_000, 1_300)
+    sel = clock.take(7)
+    assert sel is not None
+    assert (sel.first_ns, sel.last_ns, sel.sparse_layer_steps) == (1_000, 1_300, 1)
+    assert sel.selection_s == pytest.approx(300e-9)

@@ -37,6 +37,7 @@ class Selection:
 class _Acc:
     algorithm: str
     first_block: int
+    owner: int  # id() of the runtime's request state: a new state under a reused id starts afresh
     ns: int = 0
     steps: int = 0
     first_ns: int = 0
@@ -56,8 +57,12 @@ class SelectionClock:
         self._rows = {}
         for row, st in picked:
             self._rows[row] = st.rid
-            if st.rid not in self._acc:
-                self._acc[st.rid] = _Acc(algorithm, int(st.first_block))
+            acc = self._acc.get(st.rid)
+            if acc is None or acc.owner != id(st) or acc.first_block != int(st.first_block):
+                # a request id seen before (an engine that reuses ids, a request that ended
+                # untaken) names a new request when its state is another: never merge them
+                self._acc.pop(st.rid, None)
+                self._acc[st.rid] = _Acc(algorithm, int(st.first_block), id(st))
                 while len(self._acc) > self.max_requests:
                     del self._acc[next(iter(self._acc))]
 
