@@ -2,7 +2,8 @@
 
 The scenarios: the same prompt twice with vLLM's own prefix cache off (the second run
 loads its prefix through kvfabric and generates the same tokens); blocks stored with the
-Delegator on loading with it off; two engine processes sharing one store; a store whose
+Delegator on loading with it off (two engine processes sharing one pool daemon are in
+test_vllm_pool.py); a store whose
 data went bad between runs (recompute, same tokens, one warning when loads fail and one
 when they work again); same-size noise over every block's bytes between runs (the
 checksums catch it: the blocks fail as ``CORRUPT``, are counted, and the tokens are the
@@ -13,12 +14,8 @@ loads are real and the noise would matter).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -140,44 +137,6 @@ def test_smollm2_same_prompt_twice(smol_model, tmp_path):
         assert second == first
         assert worker["loaded_blocks"] == (len(prompt) - 1) // BLOCK_SIZE > 0
         assert tok.decode(first[0]).strip()  # real text, not an empty completion
-    finally:
-        eng.close()
-
-
-# The first engine runs as `vllm serve` would: vLLM's engine core in a process of its
-# own (so the connector is loaded there by module path); its shutdown finishes the dumps.
-CHILD = textwrap.dedent(
-    """
-    import json, sys
-    from kvfabric.harness.engine import kvfabric_transfer_config, make_engine
-    model, store, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    eng = make_engine(model, kvfabric_transfer_config("posix", store), kv_bytes=64 << 20, in_process=False)
-    out = eng.generate([prompt], 12)
-    eng.close()
-    print("KVF-RESULT " + json.dumps({"tokens": out}))
-    """
-)
-
-
-def test_second_engine_process_gets_the_first_ones_prefix(tiny_model, tmp_path):
-    store = tmp_path / "shared"
-    prompt = _prompt(2, 512)
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, tiny_model, str(store), json.dumps(prompt)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("KVF-RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    child = json.loads(lines[-1].split(" ", 1)[1])
-    assert len(_block_files(store)) >= (PROMPT_LEN - 1) // BLOCK_SIZE
-    eng = make_engine(tiny_model, kvfabric_transfer_config("posix", store), kv_bytes=64 << 20)
-    try:
-        mine = eng.generate([prompt], 12)
-        worker, _ = _totals(eng)
-        assert mine == child["tokens"]
-        assert worker["loaded_blocks"] == (PROMPT_LEN - 1) // BLOCK_SIZE
     finally:
         eng.close()
 
