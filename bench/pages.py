@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvfabric.platform import shm
+from kvfabric.platform import hugepages, shm
 from kvfabric.platform.hugepages import PageKind, round_up, support
 
 MODE = {PageKind.SMALL: "off", PageKind.THP: "thp", PageKind.HUGETLB: "hugetlb"}
@@ -70,21 +70,6 @@ def pages_of(buffer: Any) -> str:
 
 
 def huge_mapped_kib(ptr: int) -> int:
-    """KiB of this process's mapping holding ``ptr`` that sit on huge pages now, from
-    ``/proc/self/smaps`` (``ShmemPmdMapped`` + ``FilePmdMapped``; ``Shared_Hugetlb`` +
-    ``Private_Hugetlb`` where its ``KernelPageSize`` is a hugetlb page): the row's proof that
-    ``pages`` is what it says."""
-    inside, fields = False, {}
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                if inside:
-                    break
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= ptr < hi
-            elif inside:
-                fields[head.rstrip(":")] = int(line.split()[1]) if line.split()[1].isdigit() else 0
-    if fields.get("KernelPageSize", 4) > 4:  # hugetlb pages are counted apart from Rss
-        return fields.get("Shared_Hugetlb", 0) + fields.get("Private_Hugetlb", 0)
-    return fields.get("ShmemPmdMapped", 0) + fields.get("FilePmdMapped", 0)
+    """KiB of this process's mapping holding ``ptr`` on huge pages now
+    (``platform.hugepages.huge_mapped_kib``): the row's proof that ``pages`` is what it says."""
+    return hugepages.huge_mapped_kib(ptr)

@@ -266,3 +266,30 @@ def _missing(mode: HugePages, nbytes: int, need: int, sup: HugePageSupport, pers
                 "(needs advise, always, within_size or force)"
             )
     return f"hugepages={mode.value}: no huge pages for a {what}: " + "; ".join(why)
+
+
+def smaps_of(ptr: int, pid: int | str = "self") -> dict[str, str]:
+    """The ``/proc/PID/smaps`` fields of the mapping holding ``ptr`` (values as text, kB for
+    the sizes): how a caller proves which pages a window really sits on."""
+    inside, out = False, {}
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                if inside:
+                    break
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside:
+                out[head.rstrip(":")] = line.split()[1]
+    return out
+
+
+def huge_mapped_kib(ptr: int, pid: int | str = "self") -> int:
+    """KiB of the mapping holding ``ptr`` that sit on huge pages now (``ShmemPmdMapped`` +
+    ``FilePmdMapped``; ``Shared_Hugetlb`` + ``Private_Hugetlb`` where its ``KernelPageSize``
+    is a hugetlb page, counted apart from Rss)."""
+    fields = {k: int(v) if v.isdigit() else 0 for k, v in smaps_of(ptr, pid).items()}
+    if fields.get("KernelPageSize", 4) > 4:
+        return fields.get("Shared_Hugetlb", 0) + fields.get("Private_Hugetlb", 0)
+    return fields.get("ShmemPmdMapped", 0) + fields.get("FilePmdMapped", 0)

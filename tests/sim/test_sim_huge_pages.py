@@ -30,19 +30,7 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MiB = 1 << 20
 
 
-def smaps_of(ptr: int, pid: int | str = "self") -> dict[str, str]:
-    """The ``/proc/PID/smaps`` fields of the mapping holding ``ptr`` (kB values as text)."""
-    inside, out = False, {}
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            if inside:
-                break
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= ptr < hi
-        elif inside:
-            out[head.rstrip(":")] = line.split()[1]
-    return out
+smaps_of = hp.smaps_of
 
 
 def _selected(path: Path) -> str:
