@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from kvfabric.bench.report import BenchContext, machine_note
+from kvfabric.bench.rpc import put_timer
 
-OBJECT = 64 << 10
 WARMUP_S = 0.3
 SETTINGS = ("off", "on")
 
@@ -34,23 +34,7 @@ def _client(socket: str, puts: int, out: Any) -> None:
 
     c = connect(socket, timeout=10.0)
     try:
-        buf = np.ones(64 * OBJECT, np.uint8)
-        c.platform.wrap(buf)
-        base = int(buf.ctypes.data)
-        times: list[float] = []
-        batch: list[str] = []
-
-        def put(i: int) -> float:
-            key = f"ev/{i}"
-            t0 = time.perf_counter()
-            c.put_from(key, base + (i % 64) * OBJECT, OBJECT)
-            dt = time.perf_counter() - t0
-            batch.append(key)
-            if len(batch) == 64:
-                c.batch_remove(batch)
-                batch.clear()
-            return dt
-
+        put = put_timer(c, "ev")
         end, i = time.perf_counter() + WARMUP_S, 0
         while time.perf_counter() < end:
             put(i)

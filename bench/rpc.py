@@ -21,7 +21,7 @@ import multiprocessing as mp
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -35,28 +35,38 @@ SETTINGS = {"spin": 100.0, "nospin": 0.0}
 WARMUP_S = 0.3  # untimed puts first: a long-running daemon has long decided whether to spin
 
 
+def put_timer(c: Any, prefix: str) -> Callable[[int], float]:
+    """A timed ``put_from`` of one ``OBJECT`` as key ``prefix/i`` (seconds), from a buffer
+    of 64 objects written first (every page touched) and wrapped by ``c``'s platform; each
+    64 keys put are removed again, so the pool stays small. The returned function owns the
+    buffer."""
+    buf = np.ones(64 * OBJECT, np.uint8)
+    c.platform.wrap(buf)
+    base = int(buf.ctypes.data)
+    batch: list[str] = []
+
+    def put(i: int, _owned: np.ndarray = buf) -> float:  # the default keeps the buffer alive
+        key = f"{prefix}/{i}"
+        t0 = time.perf_counter()
+        c.put_from(key, base + (i % 64) * OBJECT, OBJECT)
+        dt = time.perf_counter() - t0
+        batch.append(key)
+        if len(batch) == 64:
+            c.batch_remove(batch)
+            batch.clear()
+        return dt
+
+    return put
+
+
 def _client(socket: str, spin_us: float, puts: int, wid: int, barrier: Any, out: Any) -> None:
     from kvfabric.pool import connect
 
     c = connect(socket, timeout=10.0, rpc_spin_us=spin_us)
     try:
-        buf = np.ones(64 * OBJECT, np.uint8)  # written: every page is touched
-        c.platform.wrap(buf)
-        base = int(buf.ctypes.data)
+        put = put_timer(c, f"rpc/{wid}")
         put_t: list[float] = []
         rpc_t: list[float] = []
-        batch: list[str] = []
-
-        def put(i: int) -> float:
-            key = f"rpc/{wid}/{i}"
-            t0 = time.perf_counter()
-            c.put_from(key, base + (i % 64) * OBJECT, OBJECT)
-            dt = time.perf_counter() - t0
-            batch.append(key)
-            if len(batch) == 64:
-                c.batch_remove(batch)
-                batch.clear()
-            return dt
 
         end = time.perf_counter() + WARMUP_S  # the daemon's spin governor settles meanwhile
         i = 0
