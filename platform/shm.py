@@ -13,17 +13,18 @@ Attaching processes map the memory and never unlink it; a mapping stays valid af
 the name is unlinked.
 
 Huge pages (``hugepages``, see ``platform/hugepages.py`` for what the machine must allow):
-a segment on transparent huge pages or reserved hugetlb pages is a ``memfd_create`` file
-(``MFD_HUGETLB`` for hugetlb) of the same name, rounded up to whole huge pages, advised
-``MADV_HUGEPAGE`` and populated through the mapping (``MADV_POPULATE_WRITE``: the pages are
-allocated, and a shortfall is an ``OutOfSpace``, at creation, as ``posix_fallocate`` does for
-a file). Other processes of the node open it through the owner's descriptor,
-``/proc/<pid>/fd/<fd>``: the handle is ``<name>@<fd>``, and an attach checks that the
-descriptor still holds a memfd of that very name (a reused descriptor or pid is "gone").
-Such a segment cannot outlive its owner, so it needs no sweep: the kernel frees it when the
-owner and every mapping are gone. Persistent segments (``open_named``) must outlive their
-creator, so they stay files: on a hugetlbfs mount for hugetlb pages (the handle is then the
-file's path), or in the shm dir when its tmpfs mount gives huge pages (``huge=``).
+a segment on transparent huge pages or reserved hugetlb pages that dies with its owner is a
+memfd segment (``platform/memfd.py``: shared through ``/proc/<pid>/fd``, with an identity
+check on attach); :func:`create` and :func:`attach` hand those to it. Persistent segments
+(``open_named``) must outlive their creator, so they stay files: on a hugetlbfs mount for
+hugetlb pages (the handle is then the file's path), or in the shm dir when its tmpfs mount
+gives huge pages (``huge=``). A THP file or memfd is populated through its advised mapping
+(:func:`populate`: the pages are allocated, and a shortfall is an ``OutOfSpace``, at
+creation, as ``posix_fallocate`` does for a file).
+
+This module holds the contract both kinds share: :class:`Segment` (who owns it, what
+``ref`` another process passes to :func:`attach`), the mapping helpers (:func:`map_fd`,
+:func:`populate`, :func:`close_quietly`) and the owner-liveness helpers.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from kvfabric.platform.hugepages import HugePages, PageKind, choose, round_up, s
 PREFIX = "kvf."
 _counter = itertools.count()
 _owned: dict[str, str] = {}  # name -> path, segments this process must unlink
-_owned_fds: dict[str, int] = {}  # name -> descriptor, memfd segments this process must close
 _owned_lock = threading.Lock()
 
 
@@ -150,7 +150,9 @@ class Segment:
         if not self.owner:
             raise ValueError(f"segment {self.name} is not owned by this process")
         if self.fd is not None:
-            _close_fd(self.name)
+            from kvfabric.platform import memfd
+
+            memfd.close_owned(self.name)
             self.fd = None
         else:
             _unlink(self.name, self.path)
@@ -163,13 +165,6 @@ def _unlink(name: str, path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _close_fd(name: str) -> None:
-    with _owned_lock:
-        fd = _owned_fds.pop(name, None)
-    if fd is not None:
-        os.close(fd)
 
 
 HUGE_PAGE_BYTES = 4 << 20  # mappings from this size on ask for transparent huge pages
@@ -193,7 +188,7 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in for writing, errors in
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _populate(addr: int, nbytes: int, what: str) -> None:
+def populate(addr: int, nbytes: int, what: str) -> None:
     """Allocate every page of a fresh mapping at ``addr`` now, through the mapping (so its
     huge page advice applies), with an ``OutOfSpace`` instead of a SIGBUS when memory runs out."""
     if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), MADV_POPULATE_WRITE) == 0:
@@ -206,7 +201,7 @@ def _populate(addr: int, nbytes: int, what: str) -> None:
     raise OutOfSpace(f"{what}: the pages do not fit ({os.strerror(err)})")
 
 
-def _map(
+def map_fd(
     fd: int, nbytes: int, mapped: int | None = None, kind: PageKind = PageKind.SMALL
 ) -> tuple[mmap.mmap, np.ndarray]:
     length = mapped or nbytes
@@ -221,7 +216,7 @@ def _map(
     return mm, np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
 
-def _close_quietly(mm: mmap.mmap) -> None:
+def close_quietly(mm: mmap.mmap) -> None:
     try:
         mm.close()
     except BufferError:
@@ -230,38 +225,6 @@ def _close_quietly(mm: mmap.mmap) -> None:
 
 def _new_name() -> str:
     return f"{PREFIX}{os.getpid()}.{_MY_START}.{next(_counter)}.{secrets.token_hex(4)}"
-
-
-def _create_memfd(name: str, nbytes: int, kind: PageKind, page: int) -> Segment:
-    """A ``memfd_create`` segment on ``kind`` pages (see the module docstring)."""
-    size = round_up(nbytes, page)
-    flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if kind is PageKind.HUGETLB else 0)
-    what = f"shared memory of {nbytes} B on {kind.value} pages ({size} B)"
-    try:
-        fd = os.memfd_create(name, flags)
-    except OSError as e:
-        raise OutOfSpace(f"{what}: memfd_create failed: {e}") from e
-    try:
-        os.ftruncate(fd, size)
-        if kind is PageKind.HUGETLB:  # reserves the pool's pages now: ENOSPC when they run out
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                raise OutOfSpace(f"{what} does not fit in the free hugetlb pages: {e}") from e
-        mm, arr = _map(fd, nbytes, size, kind)
-        try:
-            if kind is PageKind.THP:
-                _populate(int(arr.ctypes.data), size, what)
-        except BaseException:
-            del arr
-            _close_quietly(mm)
-            raise
-    except BaseException:
-        os.close(fd)
-        raise
-    with _owned_lock:
-        _owned_fds[name] = fd
-    return Segment(name, f"/proc/{os.getpid()}/fd/{fd}", nbytes, mm, arr, True, kind, fd, size)
 
 
 def create(nbytes: int, directory: str | None = None, hugepages: HugePages | str = HugePages.OFF) -> Segment:
@@ -278,7 +241,9 @@ def create(nbytes: int, directory: str | None = None, hugepages: HugePages | str
         kind = choose(mode, nbytes, sup)
         if kind is not PageKind.SMALL:
             page = sup.hugetlb_bytes if kind is PageKind.HUGETLB else sup.thp_bytes
-            return _create_memfd(name, nbytes, kind, page)
+            from kvfabric.platform import memfd
+
+            return memfd.create(name, nbytes, kind, page)
     path = os.path.join(d, name)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -296,7 +261,7 @@ def create(nbytes: int, directory: str | None = None, hugepages: HugePages | str
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
             os.ftruncate(fd, nbytes)  # a filesystem without fallocate: size it lazily
-        mm, arr = _map(fd, nbytes)
+        mm, arr = map_fd(fd, nbytes)
     except BaseException:
         _unlink(name, path)
         raise
@@ -375,13 +340,13 @@ def open_named(
             have = os.fstat(fd).st_size
             if have != size:
                 raise HandleError(f"segment {full!r} exists with {have} B, not {nbytes} B")
-        mm, arr = _map(fd, nbytes, size, kind)
+        mm, arr = map_fd(fd, nbytes, size, kind)
         if created and kind is PageKind.THP:
             try:
-                _populate(int(arr.ctypes.data), size, f"shared memory of {nbytes} B for {full!r}")
+                populate(int(arr.ctypes.data), size, f"shared memory of {nbytes} B for {full!r}")
             except BaseException:
                 del arr
-                _close_quietly(mm)
+                close_quietly(mm)
                 raise
     except BaseException:
         if created:  # a segment this call created and could not hand over: never leave it behind
@@ -408,43 +373,13 @@ def unlink_named(name: str, directory: str | None = None) -> bool:
     return found
 
 
-def _attach_memfd(ref: str, nbytes: int) -> Segment:
-    name, _, fd_s = ref.rpartition("@")
-    try:
-        pid, fdn = int(name.split(".")[1]), int(fd_s)
-    except (IndexError, ValueError):
-        raise HandleError(f"{ref!r} is not a kvfabric shared-memory segment handle") from None
-    proc = f"/proc/{pid}/fd/{fdn}"
-    gone = f"shared-memory segment {name!r} is gone (its owner freed it or exited)"
-    try:
-        target = os.readlink(proc)
-        fd = os.open(proc, os.O_RDWR)
-    except FileNotFoundError as e:
-        raise HandleError(gone) from e
-    except PermissionError as e:
-        raise HandleError(
-            f"cannot open segment {name!r} through {proc} (another user's process?): {e}"
-        ) from e
-    try:
-        if target != f"/memfd:{name} (deleted)" or os.readlink(f"/proc/self/fd/{fd}") != target:
-            raise HandleError(gone)  # the descriptor (or the pid) was reused
-        st = os.fstat(fd)
-        if st.st_size < nbytes:
-            raise HandleError(f"segment {name!r} has {st.st_size} B, the handle says {nbytes} B")
-        # the whole memfd, as its owner rounded it: whole huge pages, aligned like the owner's
-        size = st.st_size
-        kind = PageKind.HUGETLB if st.st_blksize > mmap.PAGESIZE else PageKind.THP  # hugetlb: its page size
-        mm, arr = _map(fd, nbytes, size, kind)
-    finally:
-        os.close(fd)
-    return Segment(name, proc, nbytes, mm, arr, owner=False, kind=kind, mapped=size)
-
-
 def attach(name: str, nbytes: int, directory: str | None = None) -> Segment:
     """Map an existing segment created by another process (never unlinks it); ``name`` is
     the creator's :attr:`Segment.ref`."""
-    if "@" in name and name.startswith(PREFIX) and "/" not in name:
-        return _attach_memfd(name, nbytes)
+    from kvfabric.platform import memfd
+
+    if memfd.is_ref(name):
+        return memfd.attach(name, nbytes)
     d = directory or shm_dir()
     kind = PageKind.SMALL
     if name.startswith("/"):  # a persistent segment on a hugetlbfs mount
@@ -465,7 +400,7 @@ def attach(name: str, nbytes: int, directory: str | None = None) -> Segment:
         if st.st_size < nbytes:
             raise HandleError(f"segment {name!r} has {st.st_size} B, the handle says {nbytes} B")
         size = min(round_up(nbytes, st.st_blksize), st.st_size) if kind is PageKind.HUGETLB else nbytes
-        mm, arr = _map(fd, nbytes, size, kind)
+        mm, arr = map_fd(fd, nbytes, size, kind)
     finally:
         os.close(fd)
     return Segment(name, path, nbytes, mm, arr, owner=False, kind=kind, mapped=size)
@@ -556,8 +491,6 @@ def _unlink_all_owned() -> None:
         items = list(_owned.items())
     for name, path in items:
         _unlink(name, path)
-    for name in list(_owned_fds):
-        _close_fd(name)
 
 
 def _after_fork_in_child() -> None:
@@ -565,12 +498,6 @@ def _after_fork_in_child() -> None:
     global _MY_START, _owned_lock
     _owned_lock = threading.Lock()
     _owned.clear()
-    for fd in _owned_fds.values():  # the parent's memfd segments: theirs to free, not the child's
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _owned_fds.clear()
     _MY_START = _start_time(os.getpid()) or 0
 
 

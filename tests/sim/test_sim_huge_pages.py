@@ -208,7 +208,7 @@ def test_a_failure_mid_creation_leaves_no_segment(isolated_shm, monkeypatch):
         def no_memory(addr: int, nbytes: int, what: str) -> None:
             raise shm.OutOfSpace(f"{what}: injected")
 
-        monkeypatch.setattr(shm, "_populate", no_memory)
+        monkeypatch.setattr(shm, "populate", no_memory)
         plat = SimPlatform(config=SimConfig(hugepages="thp"))
         try:
             with pytest.raises(shm.OutOfSpace, match="injected"):
