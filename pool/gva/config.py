@@ -71,7 +71,13 @@ class GvaConfig:
     advertises (``MC_TCP_BIND_ADDRESS`` when set, else 127.0.0.1). ``heartbeat_ttl``:
     seconds after which a silent rank is removed (etcd lease TTL). ``unmap_grace``:
     seconds a departed rank's window stays mapped here (spans from ``resolve`` stay
-    readable that long). ``extra``: backend-specific keys (e.g. ``mooncake_protocol``).
+    readable that long). ``remote_read_timeout``: a synchronous read from another node's
+    window fails (``TransferFailed``: a miss to the pool) when the engine has not finished
+    it by then; the engine reads into a staging buffer and the bytes reach the caller only
+    once it did, so a read given up never lands in the caller's memory (0: no bound, read
+    straight into it). ``remote_suspect_time``: after such a timeout, copies to that rank
+    fail at once for this long, unless the read given up completes first or the rank
+    leaves. ``extra``: backend-specific keys (e.g. ``mooncake_protocol``).
     """
 
     namespace: str = setting("kvfabric/gva/default", doc="key prefix of the pool in the rendezvous store")
@@ -95,6 +101,16 @@ class GvaConfig:
     # etcd cannot ask a starved process whether it lives: roomy
     heartbeat_ttl: float = setting(10.0, doc="seconds after which a silent rank is removed", gt=0)
     unmap_grace: float = setting(5.0, doc="seconds a departed rank's window stays mapped here", lo=0)
+    remote_read_timeout: float = setting(
+        1.0,
+        doc="seconds a synchronous read from another node waits for the engine before it fails "
+        "(0: no bound, the engine reads straight into the caller's memory)",
+        lo=0,
+        hi=3600,
+    )
+    remote_suspect_time: float = setting(
+        5.0, doc="seconds copies to a rank fail at once after a read from it timed out", lo=0, hi=3600
+    )
     extra: Mapping[str, Any] = setting(default_factory=dict, doc="backend-specific keys")
 
     def __post_init__(self) -> None:

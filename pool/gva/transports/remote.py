@@ -9,23 +9,43 @@ The engine comes from ``ENGINES`` (lazily imported; ``GvaConfig.remote_engine``)
 Mooncake Transfer Engine on CPU and CUDA hosts. Near-side memory is registered with the
 engine on first use: the whole platform buffer that holds it, cached by address range
 and dropped when that buffer is freed.
+
+Bounded reads (``GvaConfig.remote_read_timeout`` > 0): a synchronous read is submitted
+asynchronously into staging buffers of this transport (``staging.py``) and waited until
+the deadline; on completion the bytes are copied to the caller, at the deadline it fails
+with ``TransferFailed`` and the caller's memory is left as it was. The transfer given up
+keeps its staging buffers until the engine reports it final (polled on later copies and
+view changes). A peer that let a read time out is *suspect*: every copy to or from it
+fails at once, without reaching the engine, until the read given up completes, the rank
+leaves the segment table, or ``remote_suspect_time`` has passed (then the next read tries
+again, bounded). Writes and asynchronous copies wait as the engine does (its own progress
+timeout): a write given up could still land in remote space the pool has handed to
+another object by then.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvfabric.errors import PlatformError
+from kvfabric.errors import PlatformError, TransferFailed
 from kvfabric.platform.buffer import Buffer
-from kvfabric.platform.types import Medium, Span
+from kvfabric.platform.types import CopyBatch, Medium, Span
 from kvfabric.pool.gva.address import LOCAL_KEY, REGION_MEDIUM, key_rank, key_region
-from kvfabric.pool.gva.transports.base import Completion, GroupPlan, Transport, TransportContext
+from kvfabric.pool.gva.transports.base import DONE, Completion, GroupPlan, Transport, TransportContext
+from kvfabric.pool.gva.transports.staging import StagingPool
 from kvfabric.pool.gva.view import View
 from kvfabric.registry import Registry
+
+log = logging.getLogger("kvfabric.gva")
+
+STAGING_ALIGN = 64  # bytes between pieces of one staging buffer (at least GvaConfig.alignment)
 
 ENGINES: Registry[Any] = Registry(
     "remote engine", {"mooncake": "kvfabric.pool.gva.transports.mooncake:MooncakeEngine"}
@@ -73,6 +93,24 @@ class _Registry:
         return np.flatnonzero(~ok)
 
 
+@dataclass(frozen=True)
+class Suspect:
+    """A peer that let a read time out: ``since`` (monotonic seconds), ``rank``, ``what``."""
+
+    since: float
+    rank: int
+    what: str
+
+
+@dataclass(frozen=True)
+class GivenUp:
+    """A read given up at its deadline: still owns its staging buffers until final."""
+
+    completion: Completion
+    staging: tuple[Buffer, ...]
+    route: str
+
+
 class RemoteTransport(Transport):
     """Engine-backed copies to and from other ranks (see module docstring)."""
 
@@ -84,6 +122,10 @@ class RemoteTransport(Transport):
         self.engine_name = cfg.remote_engine
         self.engine = load_engine(cfg.remote_engine, cfg.remote_host, cfg.extra)
         self._reg = _Registry()
+        self._staging = StagingPool(ctx.platform, self._register, self._forget)
+        self._suspects: dict[str, Suspect] = {}  # by route
+        self._given_up: list[GivenUp] = []
+        self._state_lock = threading.Lock()  # guards _suspects and _given_up
 
     def routes(self) -> dict[str, str]:
         return {self.engine_name: self.engine.route}
@@ -103,6 +145,16 @@ class RemoteTransport(Transport):
             reg.starts.insert(i, buf.ptr)
             reg.bufs.insert(i, buf)
             reg.rebuild()
+
+    def _forget(self, buf: Buffer) -> None:
+        """Unregister ``buf`` (a staging buffer about to be freed) from the engine."""
+        reg = self._reg
+        with reg.lock:
+            i = bisect.bisect_left(reg.starts, buf.ptr)
+            if i < len(reg.starts) and reg.bufs[i] is buf:
+                self.engine.unregister(buf.ptr)
+                del reg.starts[i], reg.bufs[i]
+                reg.rebuild()
 
     def register_window(self, buffer: object) -> None:
         if not isinstance(buffer, Buffer):
@@ -139,6 +191,122 @@ class RemoteTransport(Transport):
             return None
         return route, e.segment.window.addr
 
+    # ------------------------------------------------------------------ suspects
+    def update(self, view: View) -> None:
+        """Forget suspects whose rank left (its route is no member's any more)."""
+        self._poll_given_up()
+        if not self._suspects:
+            return
+        live = {m.routes.get(self.engine_name) for m in view.table.members}
+        with self._state_lock:
+            for route in [r for r in self._suspects if r not in live]:
+                del self._suspects[route]
+
+    def suspect(self, route: str) -> Suspect | None:
+        """The suspicion in force against the peer at ``route`` (None: copies go to it)."""
+        if not self._suspects:
+            return None
+        self._poll_given_up()
+        with self._state_lock:
+            s = self._suspects.get(route)
+            if s is not None and time.monotonic() - s.since >= self.ctx.config.remote_suspect_time:
+                del self._suspects[route]
+                return None
+            return s
+
+    def _refuse_suspect(self, route: str, what: str) -> None:
+        s = self.suspect(route)
+        if s is not None:
+            ago = time.monotonic() - s.since
+            raise TransferFailed(
+                f"{what}: refused without trying, rank {s.rank} at {route} is suspect ({s.what} "
+                f"{ago:.1f} s ago); copies to it fail at once until that read completes, the rank "
+                f"leaves the pool or {self.ctx.config.remote_suspect_time:g} s have passed"
+            )
+
+    def _poll_given_up(self) -> None:
+        """Hand back the staging buffers of given-up reads the engine has finished; a read
+        that completed after all clears its peer's suspicion (it answers again)."""
+        if not self._given_up:
+            return
+        with self._state_lock:
+            pending = []
+            for g in self._given_up:
+                if not g.completion.check():
+                    pending.append(g)
+                    continue
+                try:
+                    g.completion.wait(0)
+                except TransferFailed:
+                    pass
+                else:
+                    self._suspects.pop(g.route, None)
+                for buf in g.staging:
+                    self._staging.give(buf)
+            self._given_up = pending
+
+    # ------------------------------------------------------------------ bounded reads
+    def _bounded_read(
+        self, route: str, rank: int, near: np.ndarray, remote: np.ndarray, sizes: np.ndarray, what: str
+    ) -> Completion:
+        """Read ``remote`` pieces into staging, then copy them to ``near`` (see module
+        docstring); ``TransferFailed`` at the deadline with ``near`` untouched."""
+        timeout = self.ctx.config.remote_read_timeout
+        stage, staged = self._stage(near, sizes)
+        try:
+            comp = self.engine.transfer(
+                route, False, staged.tolist(), remote.tolist(), sizes.tolist(), False, what
+            )
+        except BaseException:
+            for buf in stage:
+                self._staging.give(buf)
+            raise
+        try:
+            comp.wait(timeout)
+        except TimeoutError:
+            with self._state_lock:
+                self._given_up.append(GivenUp(comp, stage, route))
+                self._suspects[route] = Suspect(
+                    time.monotonic(), rank, f"a read did not complete within {timeout:g} s"
+                )
+            log.warning("%s did not complete within %g s: rank %d is suspect", what, timeout, rank)
+            raise TransferFailed(
+                f"{what} did not complete within {timeout:g} s (GvaConfig.remote_read_timeout); "
+                f"nothing was copied to the destination, and rank {rank} is suspect for "
+                f"{self.ctx.config.remote_suspect_time:g} s"
+            ) from None
+        except BaseException:
+            for buf in stage:  # the engine reported the read final: nothing lands later
+                self._staging.give(buf)
+            raise
+        try:
+            self.ctx.platform.batch_copy(CopyBatch(near, staged, sizes))
+        finally:
+            for buf in stage:
+                self._staging.give(buf)
+        return DONE
+
+    def _stage(self, near: np.ndarray, sizes: np.ndarray) -> tuple[tuple[Buffer, ...], np.ndarray]:
+        """Staging buffers for pieces landing at ``near`` (one per medium, so a device
+        destination gets device staging) and each piece's staging address."""
+        align = max(STAGING_ALIGN, self.ctx.config.alignment)
+        padded = (sizes + np.uint64(align - 1)) // np.uint64(align) * np.uint64(align)
+        media = self.ctx.platform.media_of(near, sizes, "remote read destination")
+        staged = np.zeros(near.size, np.uint64)
+        bufs: list[Buffer] = []
+        try:
+            for code in np.unique(media).tolist():
+                sel = np.flatnonzero(media == code)
+                offs = np.cumsum(padded[sel]) - padded[sel]
+                buf = self._staging.take(_MEDIA[code], int(padded[sel].sum()))
+                bufs.append(buf)
+                staged[sel] = np.uint64(buf.ptr) + offs
+        except BaseException:
+            for buf in bufs:
+                self._staging.give(buf)
+            raise
+        return tuple(bufs), staged
+
     def can_serve(self, view: View, src_key: int, dst_key: int) -> bool:
         if view.addressable(src_key) and self._far(view, dst_key) is not None:
             return True
@@ -157,12 +325,15 @@ class RemoteTransport(Transport):
         else:
             near = view.local_ptrs(near_key, group.dst, group.dst_off)
             remote = group.src_off + np.uint64(far_base)
-        self._ensure_registered(near, group.nbytes)
         medium = REGION_MEDIUM[key_region(far_key)].value
         what = (
             f"remote {'write' if write else 'read'} of {len(group)} piece(s), {group.total_bytes} B "
             f"{'to' if write else 'from'} rank {view.rank_of(far_key)}'s {medium} window at {route}"
         )
+        self._refuse_suspect(route, what)
+        if sync and not write and self.ctx.config.remote_read_timeout > 0:
+            return self._bounded_read(route, view.rank_of(far_key), near, remote, group.nbytes, what)
+        self._ensure_registered(near, group.nbytes)
         return self.engine.transfer(
             route, write, near.tolist(), remote.tolist(), group.nbytes.tolist(), sync, what
         )
@@ -189,16 +360,30 @@ class RemoteTransport(Transport):
                 raise PlatformError("remote transport was handed a copy it cannot serve")
             write, near, far_key, remote = False, dst, src_key, far[1] + src_off
         assert near is not None
-        if id(near.buffer) not in self._reg.ids or near.buffer.freed:
-            self._purge_freed()
-            self._register(near.buffer)
         what = (
             f"remote {'write' if write else 'read'} of {n} B {'to' if write else 'from'} rank "
             f"{view.rank_of(far_key)} at {far[0]}"
         )
+        self._refuse_suspect(far[0], what)
+        if sync and not write and self.ctx.config.remote_read_timeout > 0:
+            return self._bounded_read(
+                far[0],
+                view.rank_of(far_key),
+                np.array([near.ptr], np.uint64),
+                np.array([remote], np.uint64),
+                np.array([n], np.uint64),
+                what,
+            )
+        if id(near.buffer) not in self._reg.ids or near.buffer.freed:
+            self._purge_freed()
+            self._register(near.buffer)
         return self.engine.transfer(far[0], write, [near.ptr], [remote], [n], sync, what)
 
     def close(self) -> None:
+        self._poll_given_up()
+        out = self._staging.close()
+        if out:  # the engine may still write into them: left mapped until the process ends
+            log.warning("remote transport closed with %d staging buffer(s) under reads given up", out)
         with self._reg.lock:
             for b in self._reg.bufs:
                 if not b.freed:
@@ -209,3 +394,6 @@ class RemoteTransport(Transport):
             self._reg.starts.clear()
             self._reg.bufs.clear()
         self.engine.close()
+
+
+_MEDIA = {0: Medium.DRAM, 1: Medium.HBM}  # Platform.media_of's codes
