@@ -2,7 +2,10 @@
 
 A load balancer or an orchestrator's readiness probe asks ``/health``; it gets 200 with
 ``{"ready": true, ...}`` when every check passes and 503 with ``{"ready": false,
-"failing": {check: reason}}`` otherwise. The checks (:class:`Check`):
+"failing": {check: reason}}`` otherwise. Every answer carries ``role`` (:class:`Role`):
+``leader`` or ``standby`` with ``leader_election``, ``single`` without, and, with
+election, ``leader`` (the leader's RPC address as this service last saw it, '' when none
+is known) and ``terms``. The checks (:class:`Check`):
 
 ``table``       the directory table is published: the node finished starting and the
                 table clients map carries the service's epoch (a restart that has not
@@ -13,7 +16,13 @@ A load balancer or an orchestrator's readiness probe asks ``/health``; it gets 2
 ``space``       the latest allocation that fits a window was not refused for space
                 (eviction could not make room: the windows are held by write leases,
                 read leases or fences, or the directory is full of such objects) — once
-                an allocation succeeds again the check passes.
+                an allocation succeeds again the check passes;
+``leader``      with ``leader_election`` only: this meta service leads and may grant
+                (the dispatcher's gate lets requests through). A standby answers every
+                data request ``NOT_LEADER``, so it is not ready: a load balancer sends it
+                nothing, and a client finds the leader through etcd. A standby that passes
+                every other check is fit to take over: ``/health?standby=ok`` (for a
+                liveness probe) answers it 200, still ``ready: false``.
 
 :func:`check_health` reads the node; the table, fabric and space checks take the
 dispatcher's lock for a moment (no RPC waits behind a probe longer than a dictionary
@@ -39,6 +48,15 @@ class Check(enum.Enum):
     FABRIC = "fabric"
     RENDEZVOUS = "rendezvous"
     SPACE = "space"
+    LEADER = "leader"
+
+
+class Role(enum.Enum):
+    """What the meta service is in its pool."""
+
+    SINGLE = "single"  # no leader election: the only meta service of its pool
+    LEADER = "leader"
+    STANDBY = "standby"  # campaigning or watching the leader key (or stopped)
 
 
 @dataclass(frozen=True)
@@ -47,13 +65,19 @@ class Health:
 
     failing: dict[Check, str] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+    role: Role = Role.SINGLE
 
     @property
     def ready(self) -> bool:
         return not self.failing
 
+    @property
+    def fit_to_take_over(self) -> bool:
+        """A standby whose only failing check is the leadership (``?standby=ok``)."""
+        return self.role is Role.STANDBY and set(self.failing) == {Check.LEADER}
+
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"ready": self.ready, **self.details}
+        out: dict[str, Any] = {"ready": self.ready, "role": self.role.value, **self.details}
         if self.failing:
             out["failing"] = {c.value: why for c, why in self.failing.items()}
         return out
@@ -126,6 +150,23 @@ def _space(node: PoolNode) -> str | None:
     return f"the latest allocation was refused for space {ago:.1f} s ago (nothing evictable)"
 
 
+def _leader(node: PoolNode) -> tuple[Role, str | None, dict[str, Any]]:
+    """The role, why this service may not grant (None: it may), and what it knows."""
+    from kvfabric.pool.service.leader import LeaderState
+
+    campaign = getattr(node, "campaign", None)
+    if campaign is None:
+        return Role.SINGLE, None, {}
+    st = campaign.status()
+    role = Role.LEADER if st.state is LeaderState.LEADER else Role.STANDBY
+    known = {"leader": st.leader, "terms": st.terms}
+    gate = node.dispatcher.gate
+    why = gate() if gate is not None else None
+    if role is Role.STANDBY and why is None:
+        why = f"this meta service is {st.state.value}"
+    return role, why, known
+
+
 def check_health(node: PoolNode) -> Health:
     """Run every check on ``node`` (see module docstring)."""
     failing: dict[Check, str] = {}
@@ -134,9 +175,12 @@ def check_health(node: PoolNode) -> Health:
             why = fn(node)
             if why:
                 failing[check] = why
+        role, why, known = _leader(node)
+        if why:
+            failing[Check.LEADER] = why
         info = node.dispatcher.info()
     why = _rendezvous(node)
     if why:
         failing[Check.RENDEZVOUS] = why
     details = {k: info[k] for k in ("epoch", "objects", "ranks", "capacity") if k in info}
-    return Health(failing, details)
+    return Health(failing, {**details, **known}, role)

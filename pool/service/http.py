@@ -1,8 +1,10 @@
 """The pool daemon's HTTP endpoint: ``/health``, ``/metrics``, ``/capacity``, ``/keys``.
 
-``/health`` answers 200 with JSON (ready, epoch, ranks, capacity, objects) when the node's
-checks pass (``health.py``: table published, fabric joined, rendezvous reachable, not out
-of space) and 503 with ``failing`` (check -> reason) when one does not; ``/metrics`` is the
+``/health`` answers 200 with JSON (ready, role, epoch, ranks, capacity, objects) when the
+node's checks pass (``health.py``: table published, fabric joined, rendezvous reachable,
+not out of space, leading when it campaigns) and 503 with ``failing`` (check -> reason)
+when one does not; ``/health?standby=ok`` also answers 200 for a standby that fails
+nothing but the leadership (a liveness probe's question); ``/metrics`` is the
 Prometheus text format of ``kvfabric_pool_*``; ``/capacity`` lists each window's
 capacity, use and evictions; ``/keys?prefix=P&start=N&limit=M`` pages through readable
 keys, each rendered by ``keys.key_text`` (text as it is, other bytes as ``\\xNN``; a
@@ -53,7 +55,8 @@ def _handler(
             url = urlparse(self.path)
             if url.path == "/health":
                 h = health()
-                self._json(h.as_json(), 200 if h.ready else 503)
+                standby_ok = parse_qs(url.query).get("standby", [""])[0] == "ok"
+                self._json(h.as_json(), 200 if h.ready or (standby_ok and h.fit_to_take_over) else 503)
             elif url.path == "/metrics":
                 with dispatcher.lock:
                     dispatcher.metrics.update_state(dispatcher.service)
