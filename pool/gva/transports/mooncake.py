@@ -43,13 +43,17 @@ class MooncakeCompletion(Completion):
             return self._state != 0
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         pause = 1e-5
         while not self.check():
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(f"{self.what} still running after {timeout} s")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 1e-4)  # notice completion within ~0.1 ms of it
+            time.sleep(pause if deadline is None else min(pause, max(deadline - now, 0.0)))
+            # notice completion within ~0.1 ms of it, or 1 % of the wait so far when longer
+            # (a peer that stopped answering is not polled 10^4 times a second)
+            pause = min(pause * 1.5, max(1e-4, (now - start) / 100))
         if self._state < 0:
             kind = "timed out" if self._state == -2 else "failed"
             raise TransferFailed(f"{self.what} {kind} in the Mooncake transfer engine (status {self._state})")
