@@ -17,8 +17,6 @@ import signal
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(__file__))
 
 from gva_worker import Worker, pattern
@@ -80,11 +78,10 @@ def main() -> None:
             os.kill(b.proc.pid, signal.SIGCONT)
             stopped = False
             t0 = time.monotonic()
-            while remote._given_up and time.monotonic() - t0 < 10:  # noqa: SLF001 - the test's probe
-                remote.suspect("")  # polls the reads given up
+            while remote.poll_given_up() and time.monotonic() - t0 < 10:
                 time.sleep(0.02)
             out["given_up_final_s"] = round(time.monotonic() - t0, 3)
-            out["given_up_left"] = len(remote._given_up)  # noqa: SLF001
+            out["given_up_left"] = remote.poll_given_up()
             out["untouched_after_resume"] = bool((view == SENTINEL).all())
             route = a.table.member(b.rank).routes["mooncake"]
             out["suspect_cleared"] = remote.suspect(route) is None

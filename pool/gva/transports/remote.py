@@ -194,7 +194,7 @@ class RemoteTransport(Transport):
     # ------------------------------------------------------------------ suspects
     def update(self, view: View) -> None:
         """Forget suspects whose rank left (its route is no member's any more)."""
-        self._poll_given_up()
+        self.poll_given_up()
         if not self._suspects:
             return
         live = {m.routes.get(self.engine_name) for m in view.table.members}
@@ -206,7 +206,7 @@ class RemoteTransport(Transport):
         """The suspicion in force against the peer at ``route`` (None: copies go to it)."""
         if not self._suspects:
             return None
-        self._poll_given_up()
+        self.poll_given_up()
         with self._state_lock:
             s = self._suspects.get(route)
             if s is not None and time.monotonic() - s.since >= self.ctx.config.remote_suspect_time:
@@ -224,11 +224,13 @@ class RemoteTransport(Transport):
                 f"leaves the pool or {self.ctx.config.remote_suspect_time:g} s have passed"
             )
 
-    def _poll_given_up(self) -> None:
+    def poll_given_up(self) -> int:
         """Hand back the staging buffers of given-up reads the engine has finished; a read
-        that completed after all clears its peer's suspicion (it answers again)."""
+        that completed after all clears its peer's suspicion (it answers again). Runs on
+        every copy while suspects exist and on every view change; returns how many reads
+        given up the engine has still not finished."""
         if not self._given_up:
-            return
+            return 0
         with self._state_lock:
             pending = []
             for g in self._given_up:
@@ -244,6 +246,7 @@ class RemoteTransport(Transport):
                 for buf in g.staging:
                     self._staging.give(buf)
             self._given_up = pending
+            return len(pending)
 
     # ------------------------------------------------------------------ bounded reads
     def _bounded_read(
@@ -380,7 +383,7 @@ class RemoteTransport(Transport):
         return self.engine.transfer(far[0], write, [near.ptr], [remote], [n], sync, what)
 
     def close(self) -> None:
-        self._poll_given_up()
+        self.poll_given_up()
         out = self._staging.close()
         if out:  # the engine may still write into them: left mapped until the process ends
             log.warning("remote transport closed with %d staging buffer(s) under reads given up", out)
