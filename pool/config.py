@@ -126,6 +126,18 @@ class PoolConfig:
         "on", doc="readers check the writer's checksum before a read counts (on / off)", parse=_verify
     )
     fence_grace_s: float = setting(60.0, doc="expired writes of unwatchable writers stay fenced this long")
+    replicas: int = setting(
+        1,
+        doc="copies of each object, on distinct nodes (then distinct ranks); a put may ask its own",
+        lo=1,
+        hi=8,
+    )
+    replica_sync_s: float = setting(
+        1.0,
+        doc="clients with a window fetch the list of extents it holds this often (re-registered "
+        "with a new leader; 0: never, only their own puts)",
+        lo=0,
+    )
     kv_events_endpoint: str = setting(
         "", doc="ZMQ PUB address of KV events in vLLM's schema (tcp://*:5557; port 0: any; '' -> off)"
     )

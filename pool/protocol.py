@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from kvfabric.pool.keys import MAX_BATCH, MAX_KEY_BYTES
+from kvfabric.pool.keys import MAX_BATCH, MAX_KEY_BYTES, RESERVED_PREFIX
 
 # Wire-level bounds, checked by the decoder before a request reaches the service (the
 # dispatcher checks the same and more again, also for in-process callers: ``dispatch.py``).
@@ -36,6 +36,24 @@ MAX_FRAME = 1 << 29  # bytes of one request frame; a longer one closes the conne
 #: how a ``Reply.error`` starts when the service does not lead its pool (a standby, or a
 #: leader whose etcd lease may have run out): the client looks the leader up and retries
 NOT_LEADER = "not the leader"
+#: replicas (``pool/service/replicas.py``): copies of an object, and the reserved directory
+#: key of its further extent ``i`` (readers on the node probe them after the primary)
+MAX_REPLICAS = 8
+REPLICA_PREFIX = RESERVED_PREFIX + b"r"  # + one byte: the extent's index (1 .. MAX_REPLICAS - 1)
+
+
+def check_replicas(value: object, name: str = "replicas") -> int:
+    """``value`` as a replica count (1 .. ``MAX_REPLICAS``); ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} = {value!r}: must be an integer in [1, {MAX_REPLICAS}]")
+    if not 1 <= value <= MAX_REPLICAS:
+        raise ValueError(f"{name} = {value}: must be in [1, {MAX_REPLICAS}] (copies of each object)")
+    return value
+
+
+def replica_key(key: bytes, index: int) -> bytes:
+    """The directory key of extent ``index`` (>= 1) of ``key``."""
+    return REPLICA_PREFIX + bytes((index,)) + key
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
@@ -56,6 +74,9 @@ class Alloc(msgspec.Struct, tag="alloc", frozen=True):
     home_rank: Rank | None = None
     preferred_rank: Rank | None = None
     medium: str | None = None
+    #: extents per key on distinct nodes (None: the pool's ``replicas``); the reply's
+    #: ``replicas`` lists the further extents' gvas, which the writer fills as well
+    replicas: Annotated[int, Meta(ge=1)] | None = None
 
 
 class Commit(msgspec.Struct, tag="commit", frozen=True):
@@ -88,6 +109,13 @@ class Exists(msgspec.Struct, tag="exists", frozen=True):
 
 class Remove(msgspec.Struct, tag="remove", frozen=True):
     keys: Keys
+    gvas: U64s | None = None  # only that extent of each key (a replica found corrupt)
+
+
+class Held(msgspec.Struct, tag="held", frozen=True):
+    """The committed extents in ``rank``'s windows (its owner's list to re-register)."""
+
+    rank: Rank
 
 
 class RemoveAll(msgspec.Struct, tag="remove_all", frozen=True):
@@ -123,6 +151,7 @@ Request = (
     | RemoveAll
     | Reregister
     | ListKeys
+    | Held
 )
 
 
@@ -135,6 +164,8 @@ class Reply(msgspec.Struct, frozen=True, omit_defaults=True):
     gens: list[int] = []
     lease_ids: list[int] = []
     sums: list[int] = []  # lookup: the writer's checksum per key (0: none recorded)
+    replicas: list[list[int]] = []  # alloc / lookup: per key, the gvas of its further extents
+    keys: list[bytes] = []  # held: the keys of the extents listed in gvas / sizes / gens / sums
     flags: list[bool] = []
     data: dict[str, Any] = {}
 

@@ -115,6 +115,7 @@ class SlotState(enum.IntEnum):
     ALLOCATED = 1
     READABLE = 2
     REMOVING = 3
+    REPLICA = 4  # a further extent of a READABLE object (``pool/service/replicas.py``)
 
 
 def native() -> Any:

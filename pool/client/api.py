@@ -30,6 +30,13 @@ leases), which is also how that path is tested. ``etcd_auth``: TLS / auth settin
 etcd rendezvous (``rendezvous.etcd.EtcdAuth``); the transport's ``token``, when it has
 one, also authenticates the client to a rendezvous server over TCP.
 
+Replicas: ``replicas`` (the client's default for its puts; None: the pool's ``replicas``)
+and the ``replicas`` argument of each put ask for that many copies of each object, placed
+by the service on distinct nodes (then distinct ranks; fewer when fewer ranks can take
+one: ``under_replicated`` counts those puts). A put is readable once every copy is
+written; a read takes the copy mapped here first and passes over a copy that fails
+(dead rank, changed slot, checksum) to the next (``reads.py``).
+
 Integrity: every object carries its writer's checksum; with ``verify`` on (the pool's
 setting unless the client says otherwise) a read counts only once the bytes it copied
 match it. A mismatch is a miss (``CorruptObject``, a ``KeyNotFound``; ``Status.CORRUPT``
@@ -75,12 +82,21 @@ class PoolClient:
         client_id: str | None = None,
         verify: Verify | str | bool | None = None,
         etcd_auth: Any = None,
+        replicas: int | None = None,
     ) -> None:
         token = str(getattr(transport, "token", "") or "")
         if isinstance(getattr(transport, "token", None), bytes):
             token = transport.token.decode()  # type: ignore[attr-defined]
         options = ClientOptions(
-            window_bytes, window_medium, metadata_only, local_reads, client_id, verify, token, etcd_auth
+            window_bytes,
+            window_medium,
+            metadata_only,
+            local_reads,
+            client_id,
+            verify,
+            token,
+            etcd_auth,
+            replicas,
         )
         self.session = Session(transport, platform, options)
         self.writer = Writer(self.session)
@@ -166,11 +182,13 @@ class PoolClient:
         sizes: Sequence[int],
         preferred_rank: int | None = None,
         medium: Medium | None = None,
+        replicas: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Space for each key: ``(status, gva)``. Write pieces at ``gva + offset`` with
-        :meth:`write`, then :meth:`batch_commit`; space not committed within the write
+        :meth:`write` (which copies them into the key's further extents too, with
+        ``replicas``), then :meth:`batch_commit`; space not committed within the write
         lease is reclaimed."""
-        return self.writer.alloc(encode_keys(keys), sizes, preferred_rank, medium)
+        return self.writer.alloc(encode_keys(keys), sizes, preferred_rank, medium, replicas)
 
     def write(self, gvas: Any, ptrs: Any, sizes: Any) -> None:
         """Copy caller pieces ``ptrs[i]`` (``sizes[i]`` bytes) to ``gvas[i]``."""
@@ -181,31 +199,33 @@ class PoolClient:
     ) -> np.ndarray:
         return self.writer.batch_commit(encode_keys(keys), ok, ttl_s)
 
-    def batch_put_from_layers(self, keys: Keys, ptrs: Any, sizes: Any) -> np.ndarray:
+    def batch_put_from_layers(
+        self, keys: Keys, ptrs: Any, sizes: Any, replicas: int | None = None
+    ) -> np.ndarray:
         """Store each key from ``m`` pieces: ``ptrs`` is ``(k, m)``, ``sizes`` ``(m,)`` or
         ``(k, m)``. One alloc RPC, one batched copy, one commit RPC. Per-key statuses."""
-        return self.writer.batch_put_from_layers(encode_keys(keys), ptrs, sizes)
+        return self.writer.batch_put_from_layers(encode_keys(keys), ptrs, sizes, replicas)
 
     def put_from_layers(self, key: str | bytes, ptrs: Any, sizes: Any) -> Status:
         kb = encode_key(key)
         P, S = u64(ptrs, "ptrs")[None, :], u64(sizes, "sizes", positive=True)
         return _raise_put(kb, Status(int(self.writer.batch_put_from_layers([kb], P, S)[0])))
 
-    def batch_put_from(self, keys: Keys, ptrs: Any, sizes: Any) -> np.ndarray:
+    def batch_put_from(self, keys: Keys, ptrs: Any, sizes: Any, replicas: int | None = None) -> np.ndarray:
         P, S = u64(ptrs, "ptrs")[:, None], u64(sizes, "sizes", positive=True)[:, None]
-        return self.writer.batch_put_from_layers(encode_keys(keys), P, S)
+        return self.writer.batch_put_from_layers(encode_keys(keys), P, S, replicas)
 
-    def put_from(self, key: str | bytes, ptr: int, nbytes: int) -> Status:
+    def put_from(self, key: str | bytes, ptr: int, nbytes: int, replicas: int | None = None) -> Status:
         kb = encode_key(key)
         ptr, nbytes = check_int(ptr, "ptr", 1), check_int(nbytes, "nbytes", 1)
-        return _raise_put(kb, self.writer.put_one(kb, ptr, nbytes))
+        return _raise_put(kb, self.writer.put_one(kb, ptr, nbytes, replicas))
 
-    def batch_put(self, keys: Keys, values: Sequence[bytes]) -> np.ndarray:
-        return self.writer.batch_put(encode_keys(keys), values)
+    def batch_put(self, keys: Keys, values: Sequence[bytes], replicas: int | None = None) -> np.ndarray:
+        return self.writer.batch_put(encode_keys(keys), values, replicas)
 
-    def put(self, key: str | bytes, value: bytes) -> Status:
+    def put(self, key: str | bytes, value: bytes, replicas: int | None = None) -> Status:
         kb = encode_key(key)
-        return _raise_put(kb, Status(int(self.writer.batch_put([kb], [value])[0])))
+        return _raise_put(kb, Status(int(self.writer.batch_put([kb], [value], replicas)[0])))
 
     # ------------------------------------------------------------------ gets
     def get_into(self, key: str | bytes, ptr: int, nbytes: int) -> int:

@@ -14,11 +14,22 @@ the lookup reply's) when ``verify`` is on: over the caller's memory when it is h
 memory, else over the mapped window (device memory read from another node is counted as
 ``unverified``). A mismatch is ``CorruptObject`` / ``Status.CORRUPT``: a miss, counted,
 logged once, and the object removed so the next put rewrites it.
+
+Replicas: an object may have further extents (``pool/service/replicas.py``): on the node,
+replica slots the reader probes after the primary; elsewhere, the ``lookup`` reply's
+``replicas``. A read takes the extents in this order: mapped here first, then ranks not
+suspected, then the rest; a rank whose copy just failed is suspected for ``SUSPECT_S``.
+An extent whose copy fails, whose slot changed, or whose bytes fail the checksum is
+passed over for the next one (a corrupt extent is removed alone: ``Remove`` with its
+gva; the object goes with its last extent); when none serves, the read is a miss (or
+corrupt, when one failed its checksum) — never bytes that were not checked.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -30,10 +41,12 @@ from kvfabric.pool.client.dataplane import require
 from kvfabric.pool.client.session import Session
 from kvfabric.pool.keys import key_text
 from kvfabric.pool.status import Status
-from kvfabric.pool.table import SlotState, ticks_passed
+from kvfabric.pool.table import SlotState, TableView, ticks_passed
 
 RETRIES = 4
+SUSPECT_S = 5.0  # a rank whose copy failed is tried last for this long
 _READABLE = int(SlotState.READABLE)
+_REPLICA = int(SlotState.REPLICA)
 log = logging.getLogger("kvfabric.pool")
 
 
@@ -44,6 +57,46 @@ class Reader:
         self.c = session
         self.corrupt = 0  # reads whose bytes did not match the writer's checksum
         self.unverified = 0  # reads that could not be checked (no checksum, or device memory afar)
+        self.fallbacks = 0  # reads served by another extent than the first one tried
+        self._suspect: dict[int, float] = {}  # rank -> until (monotonic): its copies failed
+
+    # ------------------------------------------------------------------ extents
+    def _rank(self, gva: int) -> int:
+        return int(self.c.addr.decode(gva)[1])
+
+    def suspect(self, gva: int) -> None:
+        """A copy from ``gva`` failed: its rank goes last for ``SUSPECT_S``."""
+        self._suspect[self._rank(gva)] = time.monotonic() + SUSPECT_S
+
+    def _suspected(self, gva: int) -> bool:
+        until = self._suspect.get(self._rank(gva))
+        return until is not None and until > time.monotonic()
+
+    def _order(self, gvas: list[int], size: int) -> list[int]:
+        """Extents in the order a read tries them (see module docstring)."""
+        if len(gvas) < 2:
+            return gvas
+        return sorted(gvas, key=lambda g: (self.c.dp.local(g, size) is None, self._suspected(g)))
+
+    def _local_extents(
+        self, table: TableView, key: bytes, first: tuple[int, int, int], size: int, skip: set[int]
+    ) -> Iterator[tuple[int, int, int]]:
+        """``(slot, seq, gva)`` of each extent of ``key`` on the node's table but those at
+        ``skip``, in the order a read tries them; the replica slots are probed only when the
+        first extent is not mapped here or did not serve."""
+        near = self.c.dp.local(first[2], size) is not None and not self._suspected(first[2])
+        if near and first[2] not in skip:
+            yield first
+        found = [] if near or first[2] in skip else [first]
+        for i in range(1, p.MAX_REPLICAS):
+            j, f = table.lookup_raw(p.replica_key(key, i))
+            if j < 0:
+                break
+            if f[4] == _REPLICA and f[2] == size and f[1] not in skip:
+                found.append((j, f[0], f[1]))
+        by_gva = {e[2]: e for e in found}
+        for g in self._order(list(by_gva), size):
+            yield by_gva[g]
 
     # ------------------------------------------------------------------ integrity
     def _intact(
@@ -76,7 +129,7 @@ class Reader:
             "" if self.corrupt == 1 else f" ({self.corrupt} so far)",
         )
         try:
-            c.call(p.Remove([key]))
+            c.call(p.Remove([key], gvas=[gva]))  # this extent; the object with its last one
         except Exception as e:  # noqa: BLE001 - best effort: the read is a miss either way
             log.debug("removing corrupt pool key '%s': %s", key_text(key), e)
         return False
@@ -105,23 +158,41 @@ class Reader:
             return self._rpc_get(
                 key, np.array([ptr], np.uint64), np.array([nbytes], np.uint64), host_user, exact=False
             )
+        corrupt: set[int] = set()  # extents that failed the checksum (each removed alone)
+        failed: set[int] = set()  # extents whose copy failed in this call (not tried again)
         for _ in range(RETRIES):
             i, (seq, gva, size, _gen, state, expire, csum) = table.lookup_raw(key)
             if i < 0 or state != _READABLE or (expire and ticks_passed(expire)):
-                table.count_reads(1)
-                raise KeyNotFound(f"pool key '{key_text(key)}' not found")
+                break
             _check_size(key, size, nbytes, exact=False)
-            if not c.dp.read_one(ptr, gva, size, host_user):
-                continue  # its rank is gone or the copy failed: look again
-            if table.seq_now(i) == seq:
-                if not self._intact(key, csum, [(ptr, size)], gva, size, host_user):
-                    table.count_reads(1, corrupt=1)
-                    raise _corrupt(key)
+            cands = list(self._local_extents(table, key, (i, seq, gva), size, corrupt | failed))
+            if not cands:
+                break
+            for n, (si, sq, g) in enumerate(cands):
+                if not c.dp.read_one(ptr, g, size, host_user):
+                    self.suspect(g)
+                    failed.add(g)
+                    continue  # its rank is gone or the copy failed: the next extent
+                if table.seq_now(si) != sq:
+                    break  # the directory changed under the copy: look again
+                if not self._intact(key, csum, [(ptr, size)], g, size, host_user):
+                    corrupt.add(g)
+                    break  # removed alone (another extent may take its place): look again
+                self.fallbacks += bool(n or corrupt or failed)
                 table.touch(i)
                 table.count_reads(1, 1, size)
                 return size
+        return self._no_read(table, key, bool(corrupt), None)
+
+    def _no_read(self, table: TableView, key: bytes, corrupt: bool, failed: TransferFailed | None) -> int:
+        """No extent served (see module docstring): count it and raise what it was."""
+        if corrupt:
+            table.count_reads(1, corrupt=1)
+            raise _corrupt(key)
         table.count_reads(1)
-        raise KeyNotFound(f"pool key '{key_text(key)}' kept changing while being read")
+        if failed is not None:
+            raise failed
+        raise KeyNotFound(f"pool key '{key_text(key)}' not found or kept changing while being read")
 
     def get_into_layers(self, key: bytes, ptrs: np.ndarray, sizes: np.ndarray, exact: bool = True) -> int:
         c = self.c
@@ -131,22 +202,36 @@ class Reader:
         if table is None:
             return self._rpc_get(key, ptrs, sizes, host_user, exact)
         want = int(sizes.sum())
+        error: TransferFailed | None = None
+        corrupt: set[int] = set()
+        failed: set[int] = set()
         for _ in range(RETRIES):
             hit = table.lookup(key)
             if hit is None or hit.state != SlotState.READABLE or (hit.expire and ticks_passed(hit.expire)):
-                table.count_reads(1)
-                raise KeyNotFound(f"pool key '{key_text(key)}' not found")
+                break
             _check_size(key, hit.size, want, exact)
-            ranges = self._copy_out(hit.gva, hit.size, ptrs, sizes, host_user)
-            if table.seq_now(hit.slot) == hit.seq:
-                if not self._intact(key, hit.csum, ranges, hit.gva, hit.size, host_user):
-                    table.count_reads(1, corrupt=1)
-                    raise _corrupt(key)
+            first = (hit.slot, hit.seq, hit.gva)
+            cands = list(self._local_extents(table, key, first, hit.size, corrupt | failed))
+            if not cands:
+                break
+            for n, (si, sq, g) in enumerate(cands):
+                try:
+                    ranges = self._copy_out(g, hit.size, ptrs, sizes, host_user)
+                except TransferFailed as e:
+                    self.suspect(g)
+                    failed.add(g)
+                    error = e
+                    continue
+                if table.seq_now(si) != sq:
+                    break
+                if not self._intact(key, hit.csum, ranges, g, hit.size, host_user):
+                    corrupt.add(g)
+                    break
+                self.fallbacks += bool(n or corrupt or failed)
                 table.touch(hit.slot)
                 table.count_reads(1, 1, hit.size)
                 return hit.size
-        table.count_reads(1)
-        raise KeyNotFound(f"pool key '{key_text(key)}' kept changing while being read")
+        return self._no_read(table, key, bool(corrupt), error)
 
     def _copy_out(
         self, gva: int, size: int, ptrs: np.ndarray, sizes: np.ndarray, host_user: bool
@@ -178,8 +263,8 @@ class Reader:
             buf = c.platform.wrap(staging)
             try:
                 got = self.get_into(key, staging.ctypes.data, size)
-            except KeyNotFound:
-                return None
+            except (KeyNotFound, TransferFailed, LeaseExpired):
+                return None  # no extent served: a miss
             except ValueError:
                 continue  # replaced by a bigger object meanwhile
             finally:
@@ -233,10 +318,16 @@ class Reader:
             for r in np.flatnonzero(~changed).tolist():
                 k = int(rows[r])
                 ranges = list(zip(Ph[r].tolist(), Sh[r].tolist()))
+                more = table.lookup_raw(p.replica_key(keys[k], 1))[0] >= 0  # before _intact drops one
                 if self._intact(keys[k], int(out[k, 6]), ranges, int(out[k, 1]), int(out[k, 2]), host_user):
                     status[k] = Status.OK
+                elif more:
+                    changed[r] = True  # another extent may serve: one by one below
                 else:
                     status[k] = Status.CORRUPT
+            for r in np.flatnonzero(changed).tolist():
+                if not arrived.reshape(Sh.shape[0], -1)[r].all():
+                    self.suspect(int(out[int(rows[r]), 1]))
             table.touch_many(idx[status == Status.OK])
             retried[rows[changed]] = True
             for k in rows[changed].tolist():  # rare: retry one by one
@@ -261,20 +352,36 @@ class Reader:
         r = c.call(p.Lookup([key], lease=True))
         if r.status[0] != Status.OK:
             raise KeyNotFound(f"pool key '{key_text(key)}' not found")
+        size = int(r.sizes[0])
+        csum = r.sums[0] if r.sums else 0
+        gvas = self._order([int(r.gvas[0]), *(r.replicas[0] if r.replicas else [])], size)
+        served, bad, failed = False, 0, None
         try:
-            _check_size(key, r.sizes[0], int(sizes.sum()), exact)
-            ranges = self._copy_out(r.gvas[0], r.sizes[0], ptrs, sizes, host_user)
+            _check_size(key, size, int(sizes.sum()), exact)
+            for n, g in enumerate(gvas):
+                try:
+                    ranges = self._copy_out(g, size, ptrs, sizes, host_user)
+                except TransferFailed as e:
+                    self.suspect(g)
+                    failed = e
+                    continue
+                if self._intact(key, csum, ranges, g, size, host_user):  # checked under the lease
+                    served = True
+                    self.fallbacks += n > 0
+                    break
+                bad += 1
         finally:
             rel = c.call(p.Release([r.lease_ids[0]])).status[0]
+        if not served:
+            if bad:
+                raise _corrupt(key)
+            raise failed if failed is not None else KeyNotFound(f"pool key '{key_text(key)}' not found")
         if rel != Status.OK:
             raise LeaseExpired(
                 f"read lease of pool key '{key_text(key)}' expired during the copy; "
                 "the bytes read are not trusted"
             )
-        csum = r.sums[0] if r.sums else 0
-        if not self._intact(key, csum, ranges, r.gvas[0], r.sizes[0], host_user):
-            raise _corrupt(key)
-        return int(r.sizes[0])
+        return size
 
     def _rpc_status(self, key: bytes, ptrs: np.ndarray, sizes: np.ndarray, host_user: bool) -> int:
         try:
@@ -286,6 +393,8 @@ class Reader:
             return Status.NOT_FOUND
         except LeaseExpired:
             return Status.LEASE_EXPIRED
+        except TransferFailed:
+            return Status.TRANSFER_FAILED
         except ValueError:
             return Status.INVALID
 

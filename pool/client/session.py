@@ -7,6 +7,14 @@ service (same node only; ``read`` retries once when the service retired it), and
 objects this client's own window holds (``owned``), which it re-registers with a
 restarted service (or a newly elected leader: the same path, but a fabric rank held in
 etcd outlives the old service, so it is kept, not rejoined).
+
+With replicas, other clients' puts place extents in this client's window too: a client with
+a window fetches the list of committed extents its window holds (``Held``) every
+``replica_sync_s`` (the pool's setting) in a thread of its own and keeps ``owned`` equal
+to it (plus what its own puts added since the request left), so that after a failover
+every owner re-registers every extent it holds and the new leader merges the extents of
+one key into one entry. An extent committed less than ``replica_sync_s`` before the
+leader died is re-registered only by its writer (when the writer's window holds it).
 :class:`~kvfabric.pool.client.reads.Reader` and
 :class:`~kvfabric.pool.client.writes.Writer` work over a session;
 :class:`~kvfabric.pool.client.api.PoolClient` composes the three.
@@ -57,10 +65,27 @@ class OwnedObjects:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._objects: dict[bytes, tuple[int, int, int, int]] = {}
+        self._added: dict[bytes, int] = {}  # key -> ``mark`` when it was last added
+        self._mark = 0
 
     def add(self, key: bytes, entry: tuple[int, int, int, int]) -> None:
         with self._lock:
             self._objects[key] = entry
+            self._mark += 1
+            self._added[key] = self._mark
+
+    def mark(self) -> int:
+        """A point in the adds, for ``replace``."""
+        with self._lock:
+            return self._mark
+
+    def replace(self, listing: dict[bytes, tuple[int, int, int, int]], since: int) -> None:
+        """Become ``listing`` (the service's list of this window's extents, asked for at
+        ``since``), keeping what was added after ``since`` (not in the listing yet)."""
+        with self._lock:
+            keep = {k: self._objects[k] for k, m in self._added.items() if m > since and k in self._objects}
+            self._objects = {**listing, **keep}
+            self._added = {k: m for k, m in self._added.items() if m > since}
 
     def items(self) -> list[tuple[bytes, tuple[int, int, int, int]]]:
         with self._lock:
@@ -71,9 +96,11 @@ class OwnedObjects:
         with self._lock:
             if keys is None:
                 self._objects.clear()
+                self._added.clear()
             else:
                 for k in keys:
                     self._objects.pop(k, None)
+                    self._added.pop(k, None)
 
     def __len__(self) -> int:
         return len(self._objects)
@@ -92,6 +119,11 @@ class ClientOptions:
     verify: Verify | str | bool | None = None
     token: str = ""  # the pool's shared secret: the rendezvous over TCP asks for it too
     etcd_auth: Any = None  # TLS / auth of an etcd rendezvous (rendezvous.etcd.EtcdAuth)
+    replicas: int | None = None  # copies of each put (None: the pool's ``replicas``)
+
+    def __post_init__(self) -> None:
+        if self.replicas is not None:
+            p.check_replicas(self.replicas)
 
 
 class Session:
@@ -114,10 +146,15 @@ class Session:
         self.closed = False
         self._window: Buffer | None = None
         self._epoch = 0
+        self._restart_lock = threading.Lock()
         info = self.call(p.Info()).data
         self.addr = FixedStride(info["stride"])
         self.write_lease_s = float(info.get("write_lease_s", 10.0))
         self.verify = Verify.parse(info.get("verify", "on") if o.verify is None else o.verify)
+        self.replicas = int(info.get("replicas", 1))  # the pool's default copies of a put
+        self._sync_s = float(info.get("replica_sync_s", 0.0))
+        self._stop = threading.Event()
+        self._syncer: threading.Thread | None = None
         try:
             if not o.metadata_only:
                 if o.window_bytes:
@@ -127,13 +164,42 @@ class Session:
         except BaseException:
             self.close()
             raise
+        if self._window is not None and self._sync_s > 0:
+            self._syncer = threading.Thread(target=self._sync_loop, name="kvfabric-pool-held", daemon=True)
+            self._syncer.start()
+
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(self._sync_s):
+            try:
+                self.sync_held()
+            except Exception as e:  # noqa: BLE001 - no leader now: the next round asks again
+                log.debug("listing the extents of rank %s: %s", self.rank, e)
+
+    def sync_held(self) -> bool:
+        """Make ``owned`` the service's list of the extents this window holds (see module
+        docstring); False when the list was not taken (no rank, or the service changed
+        meanwhile: the re-registration then went by the previous list)."""
+        if self.rank is None or self._window is None or self.closed:
+            return False
+        epoch, since = self._epoch, self.owned.mark()
+        r = self.call(p.Held(self.rank))
+        if not epoch or r.epoch != epoch or r.error:
+            return False
+        self.owned.replace(
+            {k: (g, n, gen, h) for k, g, n, gen, h in zip(r.keys, r.gvas, r.sizes, r.gens, r.sums)}, since
+        )
+        return True
 
     # ------------------------------------------------------------------ for the paths
     def call(self, req: Any) -> p.Reply:
         """One metadata RPC; a restarted service is caught up with before the reply returns."""
         reply = self.transport.call(req)
         if self._epoch and reply.epoch != self._epoch:
-            self._on_restart(reply.epoch)
+            with self._restart_lock:  # one catch-up, whichever thread saw the change first
+                if reply.epoch != self._epoch:
+                    self._on_restart(reply.epoch)
+                    self._epoch = reply.epoch
+            return reply
         self._epoch = reply.epoch
         return reply
 
@@ -261,6 +327,9 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        self._stop.set()
+        if self._syncer is not None and self._syncer is not threading.current_thread():
+            self._syncer.join(5)
         if self.fabric is not None:
             try:
                 self.fabric.leave()

@@ -12,6 +12,12 @@ when its request left; no copy starts past ``lease - margin`` of that (the put i
 abandoned instead, LEASE_EXPIRED), and a long batch is copied in chunks of at most
 ``CHUNK_BYTES`` with the leases renewed between chunks once half of them has passed.
 
+Replicas: an allocation may come back with further extents per key (``replicas``: the
+client's or the call's, else the pool's); every piece is copied into each of them, and a
+key is committed only when its pieces arrived in every extent (else it is abandoned
+whole: a put is readable once all its replicas are written). Layer-wise ``write`` mirrors
+each piece into the further extents of the object it falls in.
+
 Checksums: each committed object carries the writer's xxh3-64 (``platform.checksum``) of
 its bytes, taken over the window after the copy where the window is mapped here (so the
 copy itself is covered), else over the caller's host memory, else none (device memory
@@ -63,28 +69,46 @@ class Writer:
     def __init__(self, session: Session) -> None:
         self.c = session
         self._lock = threading.Lock()
-        self.pending: dict[bytes, tuple[int, int, int, float]] = {}  # gva, size, gen, alloc sent at
+        #: key -> (gva, size, gen, alloc sent at, the further extents' gvas)
+        self.pending: dict[bytes, tuple[int, int, int, float, tuple[int, ...]]] = {}
         self.abandoned = 0  # puts given up because their lease was about to run out
+        self.under_replicated = 0  # puts placed on fewer ranks than the replicas asked for
 
     def alloc(
-        self, kb: list[bytes], sizes: Any, preferred_rank: int | None, medium: Medium | None
+        self,
+        kb: list[bytes],
+        sizes: Any,
+        preferred_rank: int | None,
+        medium: Medium | None,
+        replicas: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """``PoolClient.batch_alloc`` of keys already encoded (``keys.encode_keys``)."""
+        """``PoolClient.batch_alloc`` of keys already encoded (``keys.encode_keys``);
+        ``replicas``: extents per key (None: the client's default, else the pool's)."""
         sz = check_sizes(as_u64(sizes, "sizes", positive=True).tolist())
         if len(sz) != len(kb):
             raise ValueError(f"batch_alloc: {len(kb)} keys but {len(sz)} sizes")
         check_count(kb, "keys")
         c = self.c
         c.require_data()
+        n_rep = p.check_replicas(replicas) if replicas is not None else c.options.replicas
         sent = time.monotonic()  # the lease started no earlier than this
-        r = c.call(
-            p.Alloc(c.client_id, kb, sz, c.rank, preferred_rank, None if medium is None else medium.value)
-        )
+        mname = None if medium is None else medium.value
+        r = c.call(p.Alloc(c.client_id, kb, sz, c.rank, preferred_rank, mname, n_rep))
+        extra = r.replicas or [[] for _ in kb]
+        want = n_rep or c.replicas
         with self._lock:
-            for k, s, g, gen, n in zip(kb, r.status, r.gvas, r.gens, sz):
+            for k, s, g, gen, n, more in zip(kb, r.status, r.gvas, r.gens, sz, extra):
                 if s == Status.OK:
-                    self.pending[k] = (g, n, gen, sent)
+                    self.pending[k] = (g, n, gen, sent, tuple(more))
+                    if 1 + len(more) < want:
+                        self.under_replicated += 1
         return np.array(r.status, np.int8), np.array(r.gvas, np.uint64)
+
+    def extents(self, key: bytes) -> tuple[int, ...]:
+        """The gvas of every extent of a pending key, the first one first (() when none)."""
+        with self._lock:
+            e = self.pending.get(key)
+        return () if e is None else (e[0], *e[4])
 
     # ------------------------------------------------------------------ fence, writer's half
     def _leases_ok(self, kb: list[bytes]) -> np.ndarray:
@@ -106,8 +130,8 @@ class Writer:
             with self._lock:
                 for i, k, s in zip(stale, renew, st):
                     if s == Status.OK and k in self.pending:
-                        g, n, gen, _ = self.pending[k]
-                        self.pending[k] = (g, n, gen, t)
+                        g, n, gen, _, more = self.pending[k]
+                        self.pending[k] = (g, n, gen, t, more)
                     else:
                         ok[i] = False
         return np.array(ok, bool)
@@ -136,6 +160,22 @@ class Writer:
             return checksum.digest_range(loc[0], size)
         return checksum.digest_ranges(ranges) if ranges is not None else checksum.NONE
 
+    def _mirrors(self, g: np.ndarray, src: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The pieces again for the further extents of the pending objects they fall in."""
+        with self._lock:
+            held = [(e[0], e[0] + e[1], e[4]) for e in self.pending.values() if e[4]]
+        if not held:
+            return g, src, n
+        gs, ss, ns = [g], [src], [n]
+        for lo, hi, more in held:
+            inside = (g >= lo) & (g < hi)
+            if inside.any():
+                for m in more:
+                    gs.append(g[inside] - np.uint64(lo) + np.uint64(m))
+                    ss.append(src[inside])
+                    ns.append(n[inside])
+        return np.concatenate(gs), np.concatenate(ss), np.concatenate(ns)
+
     def write(self, gvas: Any, ptrs: Any, sizes: Any) -> None:
         g, src, n = u64(gvas, "gvas"), u64(ptrs, "ptrs"), u64(sizes, "sizes", positive=True)
         if not (g.size == src.size == n.size):
@@ -148,7 +188,7 @@ class Writer:
                 f"pool write: {int(late.sum())} of {g.size} piece(s) target space whose write lease "
                 "has run out (or was never allocated); commit the keys with ok=False"
             )
-        require(self.c.dp.write(g, src, n), "pool write")
+        require(self.c.dp.write(*self._mirrors(g, src, n)), "pool write")
 
     def batch_commit(
         self,
@@ -173,12 +213,18 @@ class Writer:
         with self._lock:
             for k, s, f, h in zip(kb, st, flags, sums):
                 entry = self.pending.pop(k, None)
-                if entry is not None and s == Status.OK and f and c.in_own_window(entry[0]):
-                    c.owned.add(k, (entry[0], entry[1], entry[2], h))
+                if entry is None or s != Status.OK or not f:
+                    continue
+                for g in (entry[0], *entry[4]):  # any extent in this client's window is its own
+                    if c.in_own_window(g):
+                        c.owned.add(k, (g, entry[1], entry[2], h))
         return np.array(st, np.int8)
 
-    def batch_put_from_layers(self, kb: list[bytes], ptrs: Any, sizes: Any) -> np.ndarray:
-        """Store each (encoded) key from its row of pieces: one alloc, one copy, one commit."""
+    def batch_put_from_layers(
+        self, kb: list[bytes], ptrs: Any, sizes: Any, replicas: int | None = None
+    ) -> np.ndarray:
+        """Store each (encoded) key from its row of pieces: one alloc, one copy (into every
+        extent of every key), one commit."""
         P = u64(ptrs, "ptrs").reshape(np.shape(ptrs))
         if P.ndim == 1:
             P = P.reshape(len(kb), -1)
@@ -189,7 +235,7 @@ class Writer:
         if S.size and int(S.max()) > U64_MAX // S.shape[1]:
             raise ValueError(f"sizes: the {S.shape[1]} pieces of an object add up past 2**64 - 1 B")
         host_user = self.c.dp.check_user(P.reshape(-1), S.reshape(-1))
-        st, gvas = self.alloc(kb, S.sum(axis=1).tolist(), None, None)
+        st, gvas = self.alloc(kb, S.sum(axis=1).tolist(), None, None, replicas)
         ok = st == Status.OK
         if not ok.any():
             return st
@@ -198,11 +244,24 @@ class Writer:
         offs = np.cumsum(Sok, axis=1) - Sok
         G = gvas[rows][:, None] + offs
         kb = [kb[i] for i in rows.tolist()]
+        # one copy row per extent of each key (its first extent's row is G's)
+        owner = [(r, g) for r, k in enumerate(kb) for g in self.extents(k)[1:]]
+        obj = np.array([*range(len(kb)), *(r for r, _ in owner)], np.int64)
+        Gx = (
+            G
+            if not owner
+            else np.vstack([G, np.array([g for _, g in owner], np.uint64)[:, None] + offs[obj[len(kb) :]]])
+        )
         try:
-            whole, late = self._copy_rows(kb, G, Pok, Sok)
+            arrived, gave_up = self._copy_rows([kb[i] for i in obj.tolist()], Gx, Pok[obj], Sok[obj])
         except Exception:
             self.batch_commit(kb, [False] * rows.size, sums=[0] * rows.size)
             raise
+        whole = np.ones(len(kb), bool)
+        late = np.zeros(len(kb), bool)
+        np.logical_and.at(whole, obj, arrived)
+        np.logical_or.at(late, obj, gave_up)
+        whole &= ~late
         sums = [
             self._seal(int(G[r, 0]), int(Sok[r].sum()), _ranges(Pok[r], Sok[r]) if host_user else None)
             if whole[r]
@@ -241,7 +300,7 @@ class Writer:
             start = stop
         return whole, late
 
-    def put_one(self, key: bytes, ptr: int, nbytes: int) -> Status:
+    def put_one(self, key: bytes, ptr: int, nbytes: int, replicas: int | None = None) -> Status:
         """The hot path of a single one-piece put: the same alloc / copy / commit steps
         without building arrays (the copy is a plain memmove when the space is mapped here)."""
         if nbytes <= 0:
@@ -249,7 +308,7 @@ class Writer:
         c = self.c
         host_user = c.dp.check_user_one(ptr, nbytes)
         kb = [key]
-        st, gvas = self.alloc(kb, [nbytes], None, None)
+        st, gvas = self.alloc(kb, [nbytes], None, None, replicas)
         if st[0] != Status.OK:
             return Status(int(st[0]))
         gva = int(gvas[0])
@@ -258,7 +317,7 @@ class Writer:
                 self.abandoned += 1
                 self.batch_commit(kb, [False], sums=[0])
                 return Status.LEASE_EXPIRED
-            arrived = c.dp.write_one(gva, ptr, nbytes, host_user)
+            arrived = all([c.dp.write_one(g, ptr, nbytes, host_user) for g in self.extents(key)])
         except Exception:
             self.batch_commit(kb, [False], sums=[0])
             raise
@@ -266,7 +325,7 @@ class Writer:
         cst = int(self.batch_commit(kb, [arrived], sums=[h])[0])
         return Status(cst) if arrived else Status.TRANSFER_FAILED
 
-    def batch_put(self, kb: list[bytes], values: Sequence[bytes]) -> np.ndarray:
+    def batch_put(self, kb: list[bytes], values: Sequence[bytes], replicas: int | None = None) -> np.ndarray:
         if len(kb) != len(values):
             raise ValueError(f"batch_put: {len(kb)} keys but {len(values)} values")
         if any(len(v) == 0 for v in values):
@@ -277,7 +336,7 @@ class Writer:
             sizes = np.fromiter((len(v) for v in values), np.uint64, len(values))
             offs = np.cumsum(sizes) - sizes
             return self.batch_put_from_layers(
-                kb, (np.uint64(staging.ctypes.data) + offs)[:, None], sizes[:, None]
+                kb, (np.uint64(staging.ctypes.data) + offs)[:, None], sizes[:, None], replicas
             )
         finally:
             self.c.platform.free(buf)

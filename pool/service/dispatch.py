@@ -72,6 +72,9 @@ class Dispatcher:
         self.gate: Callable[[], str | None] | None = None
         self.hold_allocs_until = 0.0
         self.leader_info: Callable[[], dict[str, Any]] | None = None
+        #: rank -> node id of every member with a window (``apply_table``): replicas go to
+        #: distinct nodes. Kept here, not in the service, so a fresh directory keeps it.
+        self.nodes: dict[int, str] = {}
 
     def _refusal(self, req: Any) -> p.Reply | None:
         """A ``NOT_LEADER`` reply when the gate refuses ``req`` (call under the lock)."""
@@ -109,6 +112,7 @@ class Dispatcher:
         with self.lock:
             s = self.service
             want = {(seg.rank, seg.medium): seg.nbytes for seg in table.segments}
+            self.nodes = {seg.rank: seg.node for seg in table.segments}
             for rank in sorted({r for r, _ in s.windows} - {r for r, _ in want}):
                 removed = s.drop_rank(rank)
                 log.info("pool rank %d left; %d object(s) dropped from the directory", rank, removed)
@@ -119,8 +123,13 @@ class Dispatcher:
 
     def check_request(self, req: Any) -> None:
         """Refuse a request with a bad field (``ValueError`` naming it); call under the lock."""
+        if isinstance(req, p.Remove) and req.gvas is not None:
+            check_lengths("keys", req.keys, gvas=req.gvas)
+            check_ints(req.gvas, "gvas")
         if isinstance(req, (p.Lookup, p.Exists, p.Remove, p.Renew)):
             check_keys(req.keys)
+        elif isinstance(req, p.Held):
+            self._check_rank(req.rank, "rank")
         elif isinstance(req, p.Alloc):
             check_lengths("keys", req.keys, sizes=req.sizes)
             check_keys(req.keys)
@@ -133,6 +142,8 @@ class Dispatcher:
                     raise ValueError(f"preferred_rank {req.preferred_rank} contributes no window to the pool")
             if req.medium is not None:
                 Medium.parse(req.medium)
+            if req.replicas is not None:
+                p.check_replicas(req.replicas)
         elif isinstance(req, p.Commit):
             check_lengths("keys", req.keys, ok=req.ok, **({} if req.sums is None else {"sums": req.sums}))
             if req.sums is not None:
@@ -188,16 +199,25 @@ class Dispatcher:
     def _dispatch(self, req: Any, pid: int = 0) -> p.Reply:
         s, e = self.service, self.epoch
         if isinstance(req, p.Lookup):
-            st, g, sz, gen, lid, sums = s.lookup(req.keys, req.lease)
-            return p.Reply(e, status=st, gvas=g, sizes=sz, gens=gen, lease_ids=lid, sums=sums)
+            st, g, sz, gen, lid, sums, more = s.lookup_extents(req.keys, req.lease)
+            extra = more if any(more) else []
+            return p.Reply(e, status=st, gvas=g, sizes=sz, gens=gen, lease_ids=lid, sums=sums, replicas=extra)
         if isinstance(req, p.Alloc):
             if self.hold_allocs_until and time.monotonic() < self.hold_allocs_until:
                 return p.Reply(e, status=[int(Status.UNAVAILABLE)] * len(req.keys), gvas=[0] * len(req.keys))
             medium = None if req.medium is None else Medium.parse(req.medium)
-            st, g, gen = s.alloc(
-                req.client, req.keys, req.sizes, req.home_rank, req.preferred_rank, medium, pid
+            st, g, gen, more = s.alloc_replicas(
+                req.client,
+                req.keys,
+                req.sizes,
+                req.home_rank,
+                req.preferred_rank,
+                medium,
+                pid,
+                req.replicas,
+                self.nodes,
             )
-            return p.Reply(e, status=st, gvas=g, gens=gen)
+            return p.Reply(e, status=st, gvas=g, gens=gen, replicas=more if any(more) else [])
         if isinstance(req, p.Commit):
             return p.Reply(e, status=s.commit(req.client, req.keys, req.ok, req.ttl_s, req.sums))
         if isinstance(req, p.Renew):
@@ -207,7 +227,10 @@ class Dispatcher:
         if isinstance(req, p.Release):
             return p.Reply(e, status=s.release(req.lease_ids))
         if isinstance(req, p.Remove):
-            return p.Reply(e, status=s.remove(req.keys))
+            return p.Reply(e, status=s.remove(req.keys, req.gvas))
+        if isinstance(req, p.Held):
+            keys, g, sz, gen, sums = s.held(req.rank)
+            return p.Reply(e, keys=keys, gvas=g, sizes=sz, gens=gen, sums=sums)
         if isinstance(req, p.RemoveAll):
             return p.Reply(e, data={"removed": s.remove_all()})
         if isinstance(req, p.Reregister):
@@ -223,7 +246,10 @@ class Dispatcher:
             "epoch": self.epoch,
             "write_lease_s": s.config.write_lease_s,
             "verify": s.config.verify,
-            "objects": s.table.count,
+            "replicas": s.config.replicas,
+            "replica_sync_s": s.config.replica_sync_s,
+            "objects": s.table.count - s.replica_slots(),
+            "replica_extents": s.replica_slots(),
             "max_objects": s.table.capacity,
             "ranks": sorted({r for r, _ in s.windows}),
             "capacity": s.capacity(),

@@ -20,6 +20,10 @@ The design (both ends):
   copying), when the writer's process is gone (writers on this node: the RPC server knows
   their pid), or, for writers it cannot watch (over TCP, or adopted from a previous
   service after a restart), after ``fence_grace_s`` — several lease periods.
+* **Replicas**: a put of N extents is fenced whole: every extent of an expired lease (the
+  replica slots under ``replicas.replica_key`` too), and, when one of its ranks leaves
+  mid-put, the extents left in the other windows (``hold``); the writer's commit
+  releases them all.
 * **Restarts**: the new service reads the previous directory table; every extent it had
   handed out but not published (``ALLOCATED``) or had fenced (``REMOVING``) is fenced
   again for ``fence_grace_s``, in the service's own window at once and in a client's
@@ -81,13 +85,15 @@ class WriteFence:
         self.counters = counters
         self.grace_s = grace_s
         self.fences: dict[int, Fence] = {}  # gva -> fence
-        self._by_writer: dict[tuple[str, bytes], int] = {}  # (client, key) -> gva
+        self._by_writer: dict[tuple[str, bytes], list[int]] = {}  # (client, key) -> gvas
         self._adopted: list[tuple[int, int, float]] = []  # (gva, size, deadline), window not here yet
 
     # ------------------------------------------------------------------ fencing
     def close(self, expired: list[tuple[bytes, WriteLease]], now: float) -> None:
         """Write leases expired before their commit (their slots still ALLOCATED, same
         generation): fence their space, and say so in one line per writer."""
+        from kvfabric.pool.service.replicas import replica_key
+
         by_writer: dict[tuple[str, int], list[int]] = {}
         for key, lease in expired:
             hit = self.table.find(key)  # looked up here: each removal may move other slots
@@ -95,7 +101,12 @@ class WriteFence:
                 continue
             self.table.remove(hit.slot)
             self._add(lease.client, key, lease.gva, lease.size, lease.pid, now + self.grace_s)
-            by_writer.setdefault((lease.client, lease.pid), []).append(lease.size)
+            for i, gva in enumerate(lease.extra, 1):  # the put's further extents, fenced alike
+                rhit = self.table.find(replica_key(key, i))
+                if rhit is not None:
+                    self.table.remove(rhit.slot)
+                self._add(lease.client, key, gva, lease.size, lease.pid, now + self.grace_s)
+            by_writer.setdefault((lease.client, lease.pid), []).append(lease.size * (1 + len(lease.extra)))
         self.counters.fences += len(expired)
         for (client, pid), sizes in by_writer.items():
             log.warning(
@@ -116,8 +127,14 @@ class WriteFence:
         f = Fence(client, key, gva, size, pid, deadline, tomb)
         self.fences[gva] = f
         if client:
-            self._by_writer[(client, key)] = gva
+            self._by_writer.setdefault((client, key), []).append(gva)
         return f
+
+    def hold(self, client: str, key: bytes, gva: int, size: int, pid: int, deadline: float) -> None:
+        """Fence one extent of a put that cannot complete (another of its ranks left) while
+        its writer may still copy into it: released like an expired lease's extents."""
+        self._add(client, key, gva, size, pid, deadline)
+        self.counters.fences += 1
 
     def adopt(self, gvas: list[int], sizes: list[int], now: float) -> int:
         """After a restart: fence extents the previous service had handed out but not
@@ -156,10 +173,12 @@ class WriteFence:
     # ------------------------------------------------------------------ release
     def writer_done(self, client: str, key: bytes) -> bool:
         """The writer committed ``key`` after its lease expired: it has stopped copying."""
-        gva = self._by_writer.pop((client, key), None)
-        if gva is None:
+        gvas = self._by_writer.pop((client, key), None)
+        if gvas is None:
             return False
-        self._release(gva)
+        for gva in gvas:
+            if gva in self.fences:
+                self._release(gva)
         return True
 
     def sweep(self, now: float) -> None:
@@ -173,11 +192,11 @@ class WriteFence:
         """A rank left: its window's fences go with it."""
         for gva in [g for g in self.fences if w.lo <= g < w.hi]:
             f = self.fences.pop(gva)
-            self._by_writer.pop((f.client, f.key), None)
+            self._forget_writer(f, gva)
 
     def _release(self, gva: int) -> None:
         f = self.fences.pop(gva)
-        self._by_writer.pop((f.client, f.key), None)
+        self._forget_writer(f, gva)
         if f.tomb:
             hit = self.table.find(f.tomb)
             if hit is not None:
@@ -186,6 +205,14 @@ class WriteFence:
             if w.lo <= gva < w.hi:
                 w.alloc.free(gva - w.lo, f.size)
                 return
+
+    def _forget_writer(self, f: Fence, gva: int) -> None:
+        held = self._by_writer.get((f.client, f.key))
+        if held is not None:
+            if gva in held:
+                held.remove(gva)
+            if not held:
+                del self._by_writer[(f.client, f.key)]
 
     @property
     def fenced_bytes(self) -> int:

@@ -36,6 +36,7 @@ class WriteLease:
     gen: int
     expires: float
     pid: int = 0  # the writer's process when it is on this node (0: unknown, e.g. over TCP)
+    extra: tuple[int, ...] = ()  # the gvas of the object's further extents (replicas.py)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class ReadLease:
     gva: int
     gen: int
     expires: float
+    extra: tuple[int, ...] = ()  # the object's further extents, held as well
 
 
 @dataclass
@@ -54,6 +56,9 @@ class Counters:
     evicted_bytes: int = 0
     expired_leases: int = 0
     fences: int = 0  # extents fenced because their write lease expired before the commit
+    under_replicated: int = 0  # objects placed on fewer ranks than the replicas asked for
+    promoted: int = 0  # objects whose primary extent left with its rank and a replica took over
+    replicas_lost: int = 0  # extents of objects that stayed readable, gone with their rank
 
     def count(self, op: str, n: int = 1, failed: int = 0) -> None:
         self.ops[op] = self.ops.get(op, 0) + n
