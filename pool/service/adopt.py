@@ -8,7 +8,8 @@ segments that survive a crash). For each it:
   (``ALLOCATED``) or had fenced itself (``REMOVING``): their writers may still be
   copying (``pool/service/fence.py``);
 * when this node's own window survived, re-enters that window's readable objects with
-  their checksums (``MetaService.reregister``);
+  their checksums (``MetaService.reregister``), the replica extents there too (under their
+  object's key: the service merges them with the extents other owners re-register);
 
 and then removes it. Call with the service's lock held (the dispatcher's), once, after
 the node's own rank joined the fabric.
@@ -25,6 +26,7 @@ from kvfabric.platform import shm
 from kvfabric.platform.types import Medium
 from kvfabric.pool import table as tbl
 from kvfabric.pool.service.meta import MetaService
+from kvfabric.pool.service.replicas import client_key
 from kvfabric.pool.status import Status
 
 log = logging.getLogger("kvfabric.pool")
@@ -60,11 +62,11 @@ def _rebuild_from(service: MetaService, old: tbl.TableView, rank: int = 0) -> in
     s = old.slots
     live = np.flatnonzero(
         (s["hash"] != 0)
-        & (s["state"] == int(tbl.SlotState.READABLE))
+        & np.isin(s["state"], [int(tbl.SlotState.READABLE), int(tbl.SlotState.REPLICA)])
         & (s["gva"] >= w.lo)
         & (s["gva"] + s["size"] <= w.hi)
     )
-    keys = [old.key_of(int(i)) for i in live]
+    keys = [client_key(old.key_of(int(i))) for i in live]
     st = service.reregister(
         keys,
         s["gva"][live].tolist(),

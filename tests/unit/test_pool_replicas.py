@@ -231,3 +231,13 @@ def test_held_lists_primaries_and_replicas_of_a_rank_by_their_keys(env):
     keys, gvas, sizes, _gens, sums = svc.held(1)
     assert sorted(keys) == [b"x", b"y"] and all(rank_of(svc, g) == 1 for g in gvas)
     assert sums == [0xABC, 0xABC] and sizes == [4 * KiB, 4 * KiB]
+
+
+@pytest.mark.parametrize("bad", [9, -1, "x", 1.5, True])
+def test_the_pool_store_config_checks_replicas_and_names_the_key(bad):
+    from kvfabric.ucm_layer.store.pool import PoolStoreConfig
+
+    assert PoolStoreConfig.from_mapping({"pool": {"replicas": 2}}).replicas == 2
+    assert PoolStoreConfig.from_mapping({}).replicas == 0  # the daemon's
+    with pytest.raises(ValueError, match="pool.replicas"):
+        PoolStoreConfig.from_mapping({"pool.replicas": bad})

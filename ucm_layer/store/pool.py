@@ -20,6 +20,10 @@ Integrity is the pool's: every object carries its writer's checksum and the clie
 it on reads (``pool.verify``: ``on`` / ``off``; unset, the daemon's setting). A read that
 fails it is the pool's ``CORRUPT``, reported here as ``BlockStatus.CORRUPT`` and counted
 in ``stats()["corrupt_blocks"]``.
+
+Replicas: ``pool.replicas`` (0: the daemon's ``replicas``) copies of each block, placed by
+the pool on distinct nodes; a load reads the copy on this node first and falls back to
+another when one fails (``docs/pool.md``).
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class PoolStoreConfig(StoreConfig):
     timeout: float = setting(1.0, doc="seconds before an unanswered pool call is a failure", lo=0.01)
     verify: str = setting(
         "", doc="reads check objects' checksums: on / off ('': the daemon's)", parse=_as_verify_or_unset
+    )
+    replicas: int = setting(
+        0, doc="copies of each block, on distinct nodes (0: the daemon's replicas)", lo=0, hi=8
     )
 
     def __post_init__(self) -> None:
@@ -136,6 +143,8 @@ class PoolStore(TaskStore):
         kwargs: dict[str, Any] = {"window_bytes": cfg.window} if cfg.window else {}
         if cfg.verify:
             kwargs["verify"] = cfg.verify
+        if cfg.replicas:
+            kwargs["replicas"] = cfg.replicas
         if cfg.socket or cfg.tcp:
             return cfg.connect(platform, **kwargs)
         from kvfabric.pool.config import PoolConfig
