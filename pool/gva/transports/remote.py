@@ -15,12 +15,13 @@ asynchronously into staging buffers of this transport (``staging.py``) and waite
 the deadline; on completion the bytes are copied to the caller, at the deadline it fails
 with ``TransferFailed`` and the caller's memory is left as it was. The transfer given up
 keeps its staging buffers until the engine reports it final (polled on later copies and
-view changes). A peer that let a read time out is *suspect*: every copy to or from it
-fails at once, without reaching the engine, until the read given up completes, the rank
-leaves the segment table, or ``remote_suspect_time`` has passed (then the next read tries
-again, bounded). Writes and asynchronous copies wait as the engine does (its own progress
-timeout): a write given up could still land in remote space the pool has handed to
-another object by then.
+view changes). A peer that let a read time out, or failed a synchronous copy (refused,
+reset: a dead peer's engine is retried with a growing backoff, so its failures come ever
+later), is *suspect*: every copy to or from it fails at once, without reaching the
+engine, until a read given up completes, the rank leaves the segment table, or
+``remote_suspect_time`` has passed (then the next copy tries again, bounded). Writes and
+asynchronous copies wait as the engine does (its own progress timeout): a write given up
+could still land in remote space the pool has handed to another object by then.
 """
 
 from __future__ import annotations
@@ -214,6 +215,29 @@ class RemoteTransport(Transport):
                 return None
             return s
 
+    def _mark(self, route: str, rank: int, why: str) -> None:
+        """Make the peer at ``route`` suspect from now on (``why``: what it did)."""
+        with self._state_lock:
+            self._suspects[route] = Suspect(time.monotonic(), rank, why)
+
+    def _sync_direct(
+        self,
+        route: str,
+        rank: int,
+        write: bool,
+        near: list[int],
+        remote: list[int],
+        sizes: list[int],
+        what: str,
+    ) -> Completion:
+        """A synchronous engine copy straight between the caller's memory and the peer;
+        a failure makes the peer suspect (it did not deliver: refused, reset, retrying)."""
+        try:
+            return self.engine.transfer(route, write, near, remote, sizes, True, what)
+        except TransferFailed as e:
+            self._mark(route, rank, f"a synchronous copy failed ({e})")
+            raise
+
     def _refuse_suspect(self, route: str, what: str) -> None:
         s = self.suspect(route)
         if s is not None:
@@ -260,27 +284,22 @@ class RemoteTransport(Transport):
             comp = self.engine.transfer(
                 route, False, staged.tolist(), remote.tolist(), sizes.tolist(), False, what
             )
-        except BaseException:
-            for buf in stage:
-                self._staging.give(buf)
-            raise
-        try:
             comp.wait(timeout)
         except TimeoutError:
             with self._state_lock:
                 self._given_up.append(GivenUp(comp, stage, route))
-                self._suspects[route] = Suspect(
-                    time.monotonic(), rank, f"a read did not complete within {timeout:g} s"
-                )
+            self._mark(route, rank, f"a read did not complete within {timeout:g} s")
             log.warning("%s did not complete within %g s: rank %d is suspect", what, timeout, rank)
             raise TransferFailed(
                 f"{what} did not complete within {timeout:g} s (GvaConfig.remote_read_timeout); "
                 f"nothing was copied to the destination, and rank {rank} is suspect for "
                 f"{self.ctx.config.remote_suspect_time:g} s"
             ) from None
-        except BaseException:
-            for buf in stage:  # the engine reported the read final: nothing lands later
+        except BaseException as e:
+            for buf in stage:  # refused, or the engine reported the read final: nothing lands later
                 self._staging.give(buf)
+            if isinstance(e, TransferFailed):  # a peer that refuses or resets: as bad as silent
+                self._mark(route, rank, f"a read failed ({e})")
             raise
         try:
             self.ctx.platform.batch_copy(CopyBatch(near, staged, sizes))
@@ -337,6 +356,16 @@ class RemoteTransport(Transport):
         if sync and not write and self.ctx.config.remote_read_timeout > 0:
             return self._bounded_read(route, view.rank_of(far_key), near, remote, group.nbytes, what)
         self._ensure_registered(near, group.nbytes)
+        if sync:
+            return self._sync_direct(
+                route,
+                view.rank_of(far_key),
+                write,
+                near.tolist(),
+                remote.tolist(),
+                group.nbytes.tolist(),
+                what,
+            )
         return self.engine.transfer(
             route, write, near.tolist(), remote.tolist(), group.nbytes.tolist(), sync, what
         )
@@ -380,6 +409,8 @@ class RemoteTransport(Transport):
         if id(near.buffer) not in self._reg.ids or near.buffer.freed:
             self._purge_freed()
             self._register(near.buffer)
+        if sync:
+            return self._sync_direct(far[0], view.rank_of(far_key), write, [near.ptr], [remote], [n], what)
         return self.engine.transfer(far[0], write, [near.ptr], [remote], [n], sync, what)
 
     def close(self) -> None:
