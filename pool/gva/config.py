@@ -75,9 +75,9 @@ class GvaConfig:
     window fails (``TransferFailed``: a miss to the pool) when the engine has not finished
     it by then; the engine reads into a staging buffer and the bytes reach the caller only
     once it did, so a read given up never lands in the caller's memory (0: no bound, read
-    straight into it). ``remote_suspect_time``: after such a timeout, copies to that rank
-    fail at once for this long, unless the read given up completes first or the rank
-    leaves. ``extra``: backend-specific keys (e.g. ``mooncake_protocol``).
+    straight into it). ``remote_suspect_time``: after such a timeout (or a failed
+    synchronous copy), copies to that rank fail at once for this long, unless a read given
+    up completes first or the rank leaves. ``extra``: backend-specific keys (e.g. ``mooncake_protocol``).
     """
 
     namespace: str = setting("kvfabric/gva/default", doc="key prefix of the pool in the rendezvous store")
@@ -109,7 +109,10 @@ class GvaConfig:
         hi=3600,
     )
     remote_suspect_time: float = setting(
-        5.0, doc="seconds copies to a rank fail at once after a read from it timed out", lo=0, hi=3600
+        5.0,
+        doc="seconds copies to a rank fail at once after a read from it timed out or a copy failed",
+        lo=0,
+        hi=3600,
     )
     extra: Mapping[str, Any] = setting(default_factory=dict, doc="backend-specific keys")
 
