@@ -28,8 +28,12 @@ The workload, per case (``kill-follower``: the node of a daemon that stands by;
 Every read is compared with the hash of the content its key must hold (a content
 checksum per object): bytes that do not match are a *dirty read* (``dirty_reads``: all
 phases), never a hit. ``max_call_s``: the longest client call of all phases.
-``replicas`` is 1: the pool has no replicas yet, so the objects of the killed node's
-window are lost and the survivors' ``hit_rate_after`` shows that loss.
+Each case runs once per ``replicas`` value of the plan (1 and 2; every put of the run asks
+for that many copies, which the leader places on distinct nodes): with 1 the objects of
+the killed node's window are lost and the survivors' ``hit_rate_after`` shows that loss;
+with 2 each of them has a copy on another node, which serves once the read of the dead
+one failed (and, after a leader's death, once its owner re-registered it). Between runs
+the pool is emptied (``remove_all``), so each starts from the same state.
 
 The last rows: cross-node ``put`` and ``get`` GB/s (a client without a window on one node,
 objects in another node's window; alloc there + write + commit, ``batch_get_into``)
@@ -66,7 +70,7 @@ MARKER_ENV = "KVFABRIC_BENCH_CLUSTER"
 SHM_PREFIX = "kvfabric-bench-cluster-"
 LEADER_TTL_S = 2
 SESSION_TTL_S = 3.0
-REPLICAS = 1  # the pool keeps one copy of an object (replicas are the next step)
+REPLICAS = (1, 2)  # the runs of each case: copies of every object put
 RUN_TIMEOUT_S = 1200.0
 ROW_FIELDS = (
     "case",
@@ -93,15 +97,20 @@ class Plan:
     bw_bytes: int = 1 << 20
     bw_rounds: int = 5
     cases: tuple[str, ...] = CASES
+    replicas: tuple[int, ...] = REPLICAS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cases", tuple(self.cases))
+        object.__setattr__(self, "replicas", tuple(int(r) for r in self.replicas))
         for c in self.cases:
             if c not in CASES:
                 raise ValueError(f"cluster case {c!r}: expected one of {', '.join(CASES)}")
+        if not self.replicas or any(not 1 <= r <= 3 for r in self.replicas):
+            raise ValueError(f"cluster replicas {self.replicas}: each 1, 2 or 3 (three nodes)")
         if min(self.prefixes, self.blocks, self.block_bytes, self.bw_objects, self.bw_rounds) < 1:
             raise ValueError(f"cluster plan needs positive counts and sizes: {self}")
-        need = 2 * self.prefixes * self.blocks * self.block_bytes * len(self.cases) // 3
+        # each run starts from an empty pool; a node's share of one run, twice over
+        need = 2 * self.prefixes * self.blocks * self.block_bytes * max(self.replicas) // 3
         if self.window_bytes < need:
             raise ValueError(f"window_bytes {self.window_bytes} < {need}: a node's share does not fit")
 
@@ -194,6 +203,7 @@ def failover_row(
     rejoin: Rejoin,
     leader_s: float | None = None,
     plan: Plan,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     """One kill case's row. ``hit_rate_before`` / ``after``: the survivors' (the same
     clients both times); ``clients``: each node's."""
@@ -214,7 +224,7 @@ def failover_row(
         )
     return {
         "case": f"kill-{case}",
-        "replicas": REPLICAS,
+        "replicas": replicas,
         "hit_rate_before": hb,
         "hit_rate_after": ha,
         "hit_rate_drop": drop(hb, ha),
@@ -242,7 +252,12 @@ def failover_row(
             "puts": sum(r.puts for r in during),
             "puts_ok": sum(r.puts_ok for r in during),
         },
-        "detail": {**asdict(plan), "cases": list(plan.cases), **machine_note()},
+        "detail": {
+            **asdict(plan),
+            "cases": list(plan.cases),
+            "replicas": list(plan.replicas),
+            **machine_note(),
+        },
     }
 
 
@@ -260,7 +275,7 @@ def throughput_rows(
         rows.append(
             {
                 "case": f"cross-node-{op}",
-                "replicas": REPLICAS,
+                "replicas": 1,
                 "nbytes": plan.bw_bytes,
                 "batch": plan.bw_objects,
                 "gbps": ours[f"{op}_gbps"],
@@ -368,7 +383,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     plan = make_plan(ctx)
     why = why_not()
     if why is not None:
-        yield {"case": "skipped", "replicas": REPLICAS, "note": why}
+        yield {"case": "skipped", "replicas": list(plan.replicas), "note": why}
         return
     for line in sweep_leftovers():
         _note(f"leftover of an earlier run: {line}")

@@ -13,7 +13,8 @@ Objects: block ``b`` of prefix ``p`` of case ``c`` is key ``c/p<p>/b<b>``, its b
 every read is hashed and compared with the hash of that content: a read that returned
 bytes of another content is a *dirty read*, a hit only when they match.
 
-Commands (``cmd``): ``rank``; ``warm`` (put every block of ``prefixes``); ``sweep`` (read
+Commands (``cmd``): ``rank``; ``replicas`` (copies of every put from now on); ``clear``
+(empty the pool); ``warm`` (put every block of ``prefixes``); ``sweep`` (read
 every prefix's blocks once in a shuffled order, counting hits, misses, dirty reads and
 the longest call; ``reput``: put the blocks that missed, as a connector would);
 ``loop_start`` / ``loop_stop`` (sweeps without reput plus one put of a fresh key per
@@ -88,6 +89,7 @@ class Node:
         self._stop = threading.Event()
         self._tally = Tally()
         self._lock = threading.Lock()
+        self.copies: int | None = None  # replicas of every put (None: the pool's)
 
     def expected(self, key: str, nbytes: int) -> bytes:
         d = self._expected.get(key)
@@ -128,7 +130,7 @@ class Node:
     def _put(self, tally: Tally, keys: list[str], nbytes: int) -> int:
         from kvfabric.pool.status import Status
 
-        st = self._timed(tally, self.c.batch_put, keys, [content(k, nbytes) for k in keys])
+        st = self._timed(tally, self.c.batch_put, keys, [content(k, nbytes) for k in keys], self.copies)
         tally.puts += len(keys)
         ok = 0 if st is None else sum(1 for s in st if s in (Status.OK, Status.EXISTS))
         tally.puts_ok += ok
@@ -139,6 +141,15 @@ class Node:
     # -------------------------------------------------------------- commands
     def rank(self) -> int:
         return int(self.c.session.rank if self.c.session.rank is not None else -1)
+
+    def replicas(self, n: int) -> bool:
+        """Every put from now on asks for ``n`` copies."""
+        self.copies = int(n)
+        return True
+
+    def clear(self) -> int:
+        """Empty the pool (between runs)."""
+        return self.c.remove_all()
 
     def warm(self, case: str, prefixes: list[int], blocks: int, size: int) -> dict[str, Any]:
         t = Tally()

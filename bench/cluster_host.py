@@ -280,12 +280,18 @@ def _each(clients: list[Client], cmd: str, per: list[dict[str, Any]]) -> list[An
     return [c.recv() for c in clients]
 
 
-def run_case(cluster: Cluster, case: str, plan: cl.Plan, rng: random.Random) -> dict[str, Any]:
-    """One kill case on the running cluster; its row (see ``kvfabric.bench.cluster``)."""
+def run_case(
+    cluster: Cluster, case: str, plan: cl.Plan, rng: random.Random, replicas: int = 1
+) -> dict[str, Any]:
+    """One kill case on the running cluster, every put asking for ``replicas`` copies;
+    its row (see ``kvfabric.bench.cluster``). The pool is emptied at the end."""
     nodes = cluster.nodes
     prefixes = list(range(plan.prefixes))
-    w = {"case": case, "blocks": plan.blocks, "size": plan.block_bytes}
-    progress(f"{case}: storing {plan.prefixes} prefixes of {plan.blocks} blocks from the 3 nodes")
+    w = {"case": f"{case}-r{replicas}", "blocks": plan.blocks, "size": plan.block_bytes}
+    _each([n.client for n in nodes], "replicas", [{"n": replicas} for _ in nodes])  # type: ignore[misc]
+    progress(
+        f"{case}, replicas {replicas}: storing {plan.prefixes} prefixes of {plan.blocks} blocks from 3 nodes"
+    )
     _each(
         [n.client for n in nodes],  # type: ignore[misc]
         "warm",
@@ -326,9 +332,13 @@ def run_case(cluster: Cluster, case: str, plan: cl.Plan, rng: random.Random) -> 
     cluster.wait_daemon(victim)
     victim.client = cluster.start_client(victim, plan.window_bytes)
     victim.rank = int(victim.client.ask("rank"))
-    new = victim.client.ask("new", case=case, n=plan.rejoin_objects, size=plan.block_bytes, timeout_s=15.0)
+    victim.client.ask("replicas", n=replicas)
+    new = victim.client.ask(
+        "new", case=w["case"], n=plan.rejoin_objects, size=plan.block_bytes, timeout_s=15.0
+    )
     rejoin_s = round(time.monotonic() - t_restart, 3)
     seen = survivors[0].client.ask("check", keys=new["keys"], size=plan.block_bytes)  # type: ignore[union-attr]
+    nodes[0].client.ask("clear")  # type: ignore[union-attr]
     return cl.failover_row(
         case=case,
         killed=cl.Killed(victim.name, "leader" if victim is lead else "follower"),
@@ -342,6 +352,7 @@ def run_case(cluster: Cluster, case: str, plan: cl.Plan, rng: random.Random) -> 
             rejoin_s, int(new["accepted"]), plan.rejoin_objects, int(seen["hits"]), int(seen["dirty"])
         ),
         plan=plan,
+        replicas=replicas,
     )
 
 
@@ -422,8 +433,9 @@ def host_main(req: dict[str, Any]) -> None:
                     n.client = cluster.start_client(n, plan.window_bytes)
                     n.rank = int(n.client.ask("rank"))
                 time.sleep(1.1)  # the first leader's allocation grace (write_lease_s)
-                for case in plan.cases:
-                    emit({"row": run_case(cluster, case, plan, rng)})
+                for replicas in plan.replicas:
+                    for case in plan.cases:
+                        emit({"row": run_case(cluster, case, plan, rng, replicas)})
                 for row in throughput(cluster, plan):
                     emit({"row": row})
             finally:
