@@ -320,7 +320,8 @@ class RemoteTransport(Transport):
             for code in np.unique(media).tolist():
                 sel = np.flatnonzero(media == code)
                 offs = np.cumsum(padded[sel]) - padded[sel]
-                buf = self._staging.take(_MEDIA[code], int(padded[sel].sum()))
+                first = self.ctx.platform.find(int(near[sel[0]]), int(sizes[sel[0]]))
+                buf = self._staging.take(first.buffer.medium, int(padded[sel].sum()))
                 bufs.append(buf)
                 staged[sel] = np.uint64(buf.ptr) + offs
         except BaseException:
@@ -428,6 +429,3 @@ class RemoteTransport(Transport):
             self._reg.starts.clear()
             self._reg.bufs.clear()
         self.engine.close()
-
-
-_MEDIA = {0: Medium.DRAM, 1: Medium.HBM}  # Platform.media_of's codes
