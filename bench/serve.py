@@ -2,35 +2,44 @@
 on the CPU build of vLLM with SmolLM2-135M-Instruct, configurations side by side.
 
 Workload (``bench/serve_workload.py``): shared prefixes, each reused by several requests
-with their own questions, in a seeded random order; two phases per configuration, each on
-prefixes of its own: ``saturation`` (every request at once) and ``rate`` (Poisson arrivals
-at ``rate_fraction`` of vLLM-alone's measured saturation requests/s, the same QPS for every
-configuration). vLLM's KV cache is ``kv_cache_tokens`` (its own prefix cache lives in it),
-well below a phase's working set, so what an external tier holds is what it adds.
+with their own questions, in a seeded random order; two phases: ``saturation`` (every
+request at once) and ``rate`` (Poisson arrivals at ``rate_fraction`` of vLLM-alone's
+measured saturation requests/s, the median of its runs, the same QPS for every
+configuration). Every run of a phase serves prefixes of its own (seeded by its slot), so
+no store holds them beforehand. vLLM's KV cache is ``kv_cache_tokens`` (its own prefix
+cache lives in it), below a phase's working set, so what an external tier holds is what
+it adds.
 
-Configurations, in this order, each an engine in its own process (``bench/serve_worker.py``;
-a crash or a timeout becomes a row with the error):
+Configurations, each an engine in its own process (``bench/serve_worker.py``) that lives
+for the whole run; all are started at once, then they take turns, one engine serving at a
+time (a crash or a timeout becomes a row with the error):
 
 * ``vllm`` (baseline): vLLM alone, its own prefix cache on;
 * peers: ``ExampleConnector`` (safetensors files), ``OffloadingConnector`` and
   ``SimpleCPUOffloadConnector`` (vLLM's CPU offloading), ``LMCacheConnectorV1``,
-  ``MooncakeStoreConnector``; one that cannot start here is a row with ``status: error``
-  and the reason;
+  ``MooncakeStoreConnector`` (against a Mooncake metadata server and master this
+  benchmark starts on 127.0.0.1, when the ``mooncake`` package is installed); one that
+  cannot start here is a row with ``status: error`` and the reason;
 * ``kvfabric cache|pool``: a process-local cache tier above a pool daemon this benchmark
   starts (``kvfabric pool serve``); this engine also measures the warm single-request floor
-  (row ``phase: warm_single``: ``ttft_floor_s``, ``ratio_warm_ttft_vs_floor`` and a
-  breakdown from the connector's spans);
+  at the end (row ``phase: warm_single``: ``ttft_floor_s``, ``ratio_warm_ttft_vs_floor``
+  and a breakdown from the connector's spans);
 * ``kvfabric posix``: the ``posix`` store (files under the run's temporary directory);
-* ``kvfabric cache|pool, second engine``: a new engine process on the same daemon
-  re-serving the saturation phase's prefixes (new questions) that the first engine stored:
-  the reuse no single-engine cache serves. Engines run one after another (one engine at a
-  time on this machine); the daemon outlives the first.
+* ``kvfabric cache|pool, second engine``: another engine process on the same daemon
+  re-serving the prefixes that the first engine stored in its saturation run (new
+  questions): the reuse no single-engine cache serves.
 
-Before each engine starts, the run waits while another vLLM engine runs on the machine (a
+Drift in the machine's load: each phase runs vLLM alone before and after every other
+configuration (``flanked_schedule``: ``vllm, A, vllm, B, ..., vllm``; the second engine
+last, flanked the same way), and every ratio to vLLM alone is taken against the baseline
+runs right next to it (``vllm_adjacent_*``, ``flank_figures``); the ``vllm`` row pools its
+runs and lists each run's figures.
+
+Before the engines start, the run waits while another vLLM engine runs on the machine (a
 process named ``EngineCore``, or one with vLLM's compiled ops mapped). SIGTERM, like
-Ctrl-C, stops the child and the daemon before the run exits. At the end the daemon and every child
-are stopped; rows carry ``shm_segments_left``, the ``/dev/shm`` entries of this run's pool
-(named after ``POOL_NAME``) still there (0 expected).
+Ctrl-C, stops the children and the daemons before the run exits. At the end the daemons and
+every child are stopped; rows carry ``shm_segments_left``, the ``/dev/shm`` entries of this
+run's pool (named after ``POOL_NAME``) still there (0 expected).
 """
 
 from __future__ import annotations
@@ -40,11 +49,12 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,9 +66,13 @@ from kvfabric.bench.serve_workload import (
     ConfigKind,
     Phase,
     Preset,
+    RequestRecord,
     add_ratios,
+    flank_figures,
+    flanked_schedule,
     floor_figures,
     make_row,
+    phase_stats,
 )
 
 POOL_NAME = "kvf-bench-serve"
@@ -79,6 +93,31 @@ class Config:
     floor: bool = False
     second_engine: bool = False
     needs_module: str | None = None  # a package the connector imports: checked before an engine starts
+    refusal: Callable[[], str | None] | None = None  # the platform condition it refuses at start (--quick)
+
+
+def _offloading_refusal() -> str | None:
+    """vLLM's CPU offloading spec builds its worker only on CUDA-alike and XPU platforms."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() or current_platform.is_xpu():
+        return None
+    return (
+        "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs "
+        f"(platform {type(current_platform).__name__}; checked before starting an engine)"
+    )
+
+
+def _simple_offload_refusal() -> str | None:
+    """vLLM's simple CPU offload worker asks ``torch.cuda.Stream.priority_range()``."""
+    import torch
+
+    if callable(getattr(torch.cuda.Stream, "priority_range", None)):
+        return None
+    return (
+        "AttributeError: torch.cuda.Stream has no attribute 'priority_range' "
+        "(this torch build has no CUDA streams; checked before starting an engine)"
+    )
 
 
 def _say(msg: str) -> None:
@@ -103,6 +142,7 @@ def configs(tmp: str, pool_socket: str, preset: Preset, bytes_per_token: int) ->
                 **both,
                 "kv_connector_extra_config": {"cpu_bytes_to_use": tier},
             },
+            refusal=_offloading_refusal,
         ),
         Config(
             "SimpleCPUOffloadConnector",
@@ -112,6 +152,7 @@ def configs(tmp: str, pool_socket: str, preset: Preset, bytes_per_token: int) ->
                 **both,
                 "kv_connector_extra_config": {"cpu_bytes_to_use": tier},
             },
+            refusal=_simple_offload_refusal,
         ),
         Config(
             "LMCacheConnectorV1",
@@ -206,51 +247,103 @@ def _stop_group(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
         proc.wait()
 
 
-def run_config(
-    cfg: Config, spec: dict[str, Any], tmp: str, env: dict[str, str], timeout_s: float
-) -> dict[str, Any]:
-    """Run one configuration's worker process; its result (``error`` set when it failed)."""
-    stem = f"{tmp}/{abs(hash(cfg.name)) % 10**8}"
-    with open(f"{stem}.spec.json", "w") as f:
-        json.dump(spec, f)
-    waited = _wait_for_machine()
-    _say(f"{cfg.name}: starting" + (f" (waited {waited:.0f} s)" if waited > 1 else ""))
-    t0 = time.perf_counter()
-    with open(f"{stem}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfabric.bench.serve_worker", f"{stem}.spec.json", f"{stem}.out.json"],
-            stdin=subprocess.DEVNULL,
+class Worker:
+    """One configuration's engine process (``bench/serve_worker.py``), alive for the run.
+
+    Call order: :meth:`start` (spawns it; the engine builds in the background), then
+    :meth:`wait_ready` once, then any number of :meth:`call` (one at a time: the parent
+    owns the order), then :meth:`stop` (always; idempotent). ``error`` is set once the
+    process failed to build its engine, crashed or timed out; later calls then answer that
+    error without running anything. The worker's log and answers live under ``tmp``."""
+
+    def __init__(self, cfg: Config, spec: dict[str, Any], tmp: str, env: dict[str, str]) -> None:
+        self.cfg = cfg
+        self.dir = f"{tmp}/w{abs(hash(cfg.name)) % 10**8}"
+        os.makedirs(self.dir, exist_ok=True)
+        with open(f"{self.dir}/spec.json", "w") as f:
+            json.dump(spec, f)
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready: dict[str, Any] = {}
+        self.error: str | None = None
+        self._pos = 0
+        self._n = 0
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        log = open(f"{self.dir}/log", "wb")  # noqa: SIM115 - the child's output for its life
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfabric.bench.serve_worker", f"{self.dir}/spec.json", self.dir],
+            stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=self.env,
             start_new_session=True,
         )
-        timed_out = False
+        log.close()
+
+    def _await(self, path: str, timeout_s: float) -> dict[str, Any]:
+        """The JSON the worker writes to ``path``, or an ``error`` when it exits or times out."""
+        assert self.proc is not None
+        t0 = time.perf_counter()
+        while not os.path.exists(path):
+            self._pos = _relay(f"{self.dir}/log", self._pos)
+            if self.proc.poll() is not None and not os.path.exists(path):
+                tail = Path(f"{self.dir}/log").read_text(errors="replace")[-1500:]
+                return {"error": f"the engine process exited {self.proc.returncode} without a result: {tail}"}
+            if time.perf_counter() - t0 > timeout_s:
+                return {"error": f"timed out after {timeout_s:.0f} s"}
+            time.sleep(0.2)
+        self._pos = _relay(f"{self.dir}/log", self._pos)
+        with open(path) as f:
+            result: dict[str, Any] = json.load(f)
+        return result
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self.ready = self._await(f"{self.dir}/ready.json", timeout_s)
+        self.error = self.ready.get("error")
+        _say(
+            f"{self.cfg.name}: "
+            + (
+                f"error: {self.error[:200]}"
+                if self.error
+                else f"engine up ({self.ready['engine_start_s']} s)"
+            )
+        )
+        if self.error:
+            self.stop()
+
+    def call(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send one command and wait for its answer (see ``serve_worker.main``)."""
+        if self.error:
+            return {"error": self.error}
+        assert self.proc is not None and self.proc.stdin is not None
+        self._n += 1
         try:
-            pos = 0
-            while proc.poll() is None:
-                if time.perf_counter() - t0 > timeout_s:
-                    timed_out = True
-                    break
-                time.sleep(1)
-                pos = _relay(f"{stem}.log", pos)
-            _relay(f"{stem}.log", pos)
-        finally:
-            _stop_group(proc)
-    try:
-        with open(f"{stem}.out.json") as f:
-            result = json.load(f)
-    except (OSError, ValueError):
-        tail = Path(f"{stem}.log").read_text(errors="replace")[-1500:]
-        result = {"error": f"the engine process exited {proc.returncode} without a result: {tail}"}
-    if timed_out:
-        result["error"] = f"timed out after {timeout_s:.0f} s"
-    result["wall_s"] = round(time.perf_counter() - t0, 1)
-    _say(
-        f"{cfg.name}: done in {result['wall_s']} s"
-        + (f", error: {result['error'][:200]}" if "error" in result else "")
-    )
-    return result
+            self.proc.stdin.write((json.dumps({**cmd, "id": self._n}) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError as e:
+            self.error = f"the engine process is gone ({e})"
+            return {"error": self.error}
+        res = self._await(f"{self.dir}/{self._n}.json", timeout_s)
+        if ("error" in res and self.proc.poll() is not None) or res.get("error", "").startswith("timed out"):
+            self.error = res["error"]
+            self.stop()
+        return res
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(b'{"op": "quit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        _stop_group(self.proc)
+        self._pos = _relay(f"{self.dir}/log", self._pos)
 
 
 def _relay(path: str, pos: int) -> int:
@@ -272,6 +365,16 @@ def _error_text(err: str) -> str:
     return " ".join(err.split())[:600]
 
 
+#: what a phase entry may carry beyond its stats into its row
+_PHASE_EXTRAS = (
+    "vllm_adjacent_ttft_p50_s",
+    "vllm_adjacent_requests_per_s",
+    "runs",
+    "requests_per_s_runs",
+    "ttft_p50_s_runs",
+)
+
+
 def rows_of(cfg: Config, result: dict[str, Any], preset: Preset) -> list[dict[str, Any]]:
     """A configuration's rows: one per phase served, the floor row, or one error row."""
     base = {"kv_cache_blocks": result.get("kv_cache_blocks"), "engine_start_s": result.get("engine_start_s")}
@@ -285,6 +388,7 @@ def rows_of(cfg: Config, result: dict[str, Any], preset: Preset) -> list[dict[st
                 Phase(ph["phase"]),
                 **st,
                 qps=round(ph["qps"], 3) if ph["qps"] else None,
+                **{k: ph[k] for k in _PHASE_EXTRAS if k in ph},
                 **base,
             )
         )
@@ -357,6 +461,102 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> str:
     return path
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return int(so.getsockname()[1])
+
+
+def _start_mooncake(
+    tmp: str, segment_bytes: int, env: dict[str, str]
+) -> tuple[list[subprocess.Popen[bytes]], dict[str, str]]:
+    """A local Mooncake metadata server and master on 127.0.0.1 and the config file vLLM's
+    ``MooncakeStoreConnector`` reads (``MOONCAKE_CONFIG_PATH``); the processes and the
+    environment the connector's engine needs. Raises ``RuntimeError`` naming what is missing."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the 'mooncake' package is not installed in this environment")
+    master = os.path.join(os.path.dirname(spec.origin), "mooncake_master")
+    if not os.access(master, os.X_OK):
+        raise RuntimeError(f"no mooncake_master binary at {master}")
+    meta_port, rpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    log = open(f"{tmp}/mooncake.log", "ab")  # noqa: SIM115 - the servers' output for their life
+    cmds = [
+        [
+            sys.executable,
+            "-m",
+            "mooncake.http_metadata_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(meta_port),
+        ],
+        [
+            master,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc_port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics_port}",
+            "--default_kv_lease_ttl=500",
+        ],
+    ]
+    procs = [
+        subprocess.Popen(c, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True)
+        for c in cmds
+    ]
+    log.close()
+    import socket
+
+    deadline = time.perf_counter() + 30
+    for port in (meta_port, rpc_port):
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.perf_counter() > deadline or any(p.poll() is not None for p in procs):
+                    for p in procs:
+                        _stop_group(p)
+                    tail = Path(f"{tmp}/mooncake.log").read_text(errors="replace")[-600:]
+                    raise RuntimeError(f"the local Mooncake master did not start: {tail}") from None
+                time.sleep(0.2)
+    path = f"{tmp}/mooncake.json"
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "metadata_server": f"http://127.0.0.1:{meta_port}/metadata",
+                "master_server_address": f"127.0.0.1:{rpc_port}",
+                "protocol": "tcp",
+                "device_name": "",
+                "global_segment_size": segment_bytes,
+                "local_buffer_size": 256 * 2**20,
+            },
+            f,
+        )
+    return procs, {
+        "MOONCAKE_CONFIG_PATH": path,
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "VLLM_HOST_IP": "127.0.0.1",
+    }
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One phase entry from several runs of it (the baseline's): stats over every request
+    and the summed wall time, with each run's requests/s and TTFT p50 kept."""
+    recs = [RequestRecord(**r) for run in runs for r in run["records"]]
+    st = phase_stats(recs, sum(run["stats"]["wall_s"] for run in runs))
+    return {
+        "phase": runs[0]["phase"],
+        "qps": runs[0]["qps"],
+        "stats": st,
+        "runs": len(runs),
+        "requests_per_s_runs": [run["stats"]["requests_per_s"] for run in runs],
+        "ttft_p50_s_runs": [run["stats"]["ttft_p50_s"] for run in runs],
+    }
+
+
 def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     from kvfabric.bench.serve_worker import kv_bytes_per_token
     from kvfabric.harness.engine import vllm_problem
@@ -373,70 +573,148 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     shm0 = _shm()
     tmp = tempfile.mkdtemp(prefix="kvf-bench-serve-")
     env = {**os.environ, "XDG_RUNTIME_DIR": tmp, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
-    timeout_s = 420.0 if ctx.quick else 3600.0
+    ready_s, call_s = (480.0, 300.0) if ctx.quick else (900.0, 1500.0)
     _say(
         f"preset {preset.name}: {preset.prefixes} prefixes x {preset.prefix_tokens} tokens, "
         f"{preset.requests_per_prefix} requests each, vLLM KV cache {preset.kv_cache_tokens} tokens "
         f"({preset.kv_cache_tokens * bpt / 2**20:.0f} MiB), working set {preset.working_set_tokens} tokens"
     )
-    daemon = None
-    rows: list[dict[str, Any]] = []
+    daemons: list[subprocess.Popen[bytes]] = []
+    workers: list[Worker] = []
+    results: dict[str, dict[str, Any]] = {}
     prev_term = signal.signal(signal.SIGTERM, _terminate)  # cleanup below runs on SIGTERM too
     try:
         daemon, sock = _start_pool(tmp, 4 * preset.working_set_tokens * bpt, env)
-        qps: float | None = None
-        for cfg in configs(tmp, sock, preset, bpt):
-            if cfg.second_engine:
-                phases = [
-                    {
-                        "phase": Phase.SECOND_ENGINE.value,
-                        "seed": SECOND_ENGINE_SEED,
-                        "prefix_seed": SEEDS[Phase.SATURATION],
-                        "qps": None,
-                    }
-                ]
-            else:
-                phases = [
-                    {
-                        "phase": Phase.SATURATION.value,
-                        "seed": SEEDS[Phase.SATURATION],
-                        "prefix_seed": SEEDS[Phase.SATURATION],
-                        "qps": None,
-                    },
-                    {
-                        "phase": Phase.RATE.value,
-                        "seed": SEEDS[Phase.RATE],
-                        "prefix_seed": SEEDS[Phase.RATE],
-                        "qps": qps or "auto",
-                    },
-                ]
+        daemons.append(daemon)
+        cfgs = configs(tmp, sock, preset, bpt)
+        waited = _wait_for_machine()
+        if waited > 1:
+            _say(f"waited {waited:.0f} s for another engine to end")
+        for cfg in cfgs:
+            results[cfg.name] = {"phases": []}
+            wenv = env
+            if cfg.needs_module and importlib.util.find_spec(cfg.needs_module) is None:
+                msg = f"the {cfg.needs_module!r} package is not installed in this environment"
+                _say(f"{cfg.name}: not run, {msg}")
+                results[cfg.name]["error"] = msg
+                continue
+            refused = cfg.refusal() if cfg.refusal is not None and ctx.quick else None
+            if refused:
+                _say(f"{cfg.name}: not run, {refused}")
+                results[cfg.name]["error"] = refused
+                continue
+            if cfg.name == "MooncakeStoreConnector":
+                try:
+                    procs, extra = _start_mooncake(tmp, 3 * preset.working_set_tokens * bpt, env)
+                    daemons += procs
+                    wenv = {**env, **extra}
+                except RuntimeError as e:
+                    _say(f"{cfg.name}: {e}; its engine starts without a config")
             spec = {
                 "config": cfg.name,
                 "transfer": cfg.transfer,
                 "preset": asdict(preset),
-                "phases": phases,
                 "model": model,
                 "kv_bytes": preset.kv_cache_tokens * bpt,
-                "floor": cfg.floor,
-                "floor_seed": FLOOR_SEED,
                 "trace": cfg.floor,
             }
-            if cfg.needs_module and importlib.util.find_spec(cfg.needs_module) is None:
-                msg = f"the {cfg.needs_module!r} package is not installed in this environment"
-                _say(f"{cfg.name}: not run, {msg}")
-                result: dict[str, Any] = {"error": msg}
+            w = Worker(cfg, spec, tmp, wenv)
+            w.start()
+            workers.append(w)
+        _say(f"{len(workers)} engines starting at once (each in its own process)")
+        for w in workers:
+            w.wait_ready(ready_s)
+            results[w.cfg.name].update(
+                kv_cache_blocks=w.ready.get("kv_cache_blocks"), engine_start_s=w.ready.get("engine_start_s")
+            )
+            if w.error:
+                results[w.cfg.name]["error"] = w.error
+        by_name = {w.cfg.name: w for w in workers if not w.error}
+        base = next(c.name for c in cfgs if c.kind is ConfigKind.BASELINE)
+        if base not in by_name:
+            raise RuntimeError(f"vLLM alone did not start: {results[base].get('error')}")
+        single = [
+            c.name
+            for c in cfgs
+            if c.name in by_name and c.kind is not ConfigKind.BASELINE and not c.second_engine
+        ]
+        second = [c.name for c in cfgs if c.name in by_name and c.second_engine]
+        first_of_second = next((c.name for c in cfgs if c.floor), None)
+        prefix_seed_of: dict[str, int] = {}
+
+        def one(
+            name: str, phase: Phase, slot: int, qps: float | None, prefix_seed: int | None = None
+        ) -> dict[str, Any]:
+            seed = SEEDS[phase] * 100 + slot if phase is not Phase.SECOND_ENGINE else SECOND_ENGINE_SEED
+            ps = prefix_seed if prefix_seed is not None else seed
+            if phase is Phase.SATURATION:
+                prefix_seed_of[name] = ps
+            order_seed = SEEDS[Phase.SATURATION if phase is Phase.SECOND_ENGINE else phase]
+            cmd = {
+                "op": "phase",
+                "phase": phase.value,
+                "seed": seed,
+                "prefix_seed": ps,
+                "order_seed": order_seed,  # every run of a phase: the same order and arrival times
+                "qps": qps,
+            }
+            _say(f"{name}: phase {phase.value} (run {slot + 1})")
+            return by_name[name].call(cmd, call_s)
+
+        for phase in (Phase.SATURATION, Phase.RATE):
+            order = flanked_schedule(single, base)
+            if phase is Phase.SATURATION and second:
+                order += [*second, base]
+            qps = None
+            if phase is Phase.RATE:
+                sat = [
+                    r["stats"]["requests_per_s"]
+                    for r in results[base]["phases"]
+                    if r["phase"] == Phase.SATURATION.value
+                ]
+                qps = preset.rate_fraction * statistics.median(sat)
+            runs: list[tuple[str, dict[str, Any]]] = []
+            for slot, name in enumerate(order):
+                cfg_phase = Phase.SECOND_ENGINE if name in second else phase
+                ps = prefix_seed_of.get(first_of_second or "") if name in second else None
+                res = one(name, cfg_phase, slot, qps, ps)
+                if "error" in res:
+                    results[name].setdefault("error", res["error"])
+                    runs.append((name, {}))
+                    if name == base:
+                        raise RuntimeError(f"vLLM alone failed: {res['error']}")
+                    continue
+                runs.append((name, res["stats"]))
+                results[name]["phases"].append(res)
+            for (name, _), figs in zip(runs, flank_figures(runs, base), strict=True):
+                if figs:
+                    entry = next(
+                        p
+                        for p in reversed(results[name]["phases"])
+                        if p["phase"] in (phase.value, Phase.SECOND_ENGINE.value)
+                    )
+                    entry.update(figs)
+            bruns = [p for p in results[base]["phases"] if p["phase"] == phase.value]
+            results[base]["phases"] = [p for p in results[base]["phases"] if p["phase"] != phase.value] + [
+                _pooled(bruns)
+            ]
+        floor_cfg = next((c for c in cfgs if c.floor and c.name in by_name), None)
+        if floor_cfg is not None:
+            res = by_name[floor_cfg.name].call({"op": "floor", "seed": FLOOR_SEED}, call_s)
+            if "error" in res:
+                results[floor_cfg.name].setdefault("error", res["error"])
             else:
-                result = run_config(cfg, spec, tmp, env, timeout_s)
-            if cfg.kind is ConfigKind.BASELINE:
-                qps = next(
-                    (p["qps"] for p in result.get("phases", []) if p["phase"] == Phase.RATE.value), None
-                )
-            rows += rows_of(cfg, result, preset)
+                results[floor_cfg.name]["floor"] = res
     finally:
-        if daemon is not None:
-            _stop_group(daemon)
+        for w in workers:
+            w.stop()
+        for d in daemons:
+            _stop_group(d)
         shutil.rmtree(tmp, ignore_errors=True)
         signal.signal(signal.SIGTERM, prev_term)
+    rows: list[dict[str, Any]] = []
+    for cfg in cfgs:
+        rows += rows_of(cfg, results[cfg.name], preset)
     left = sorted(n for n in _shm() - shm0 if POOL_NAME in n)
     busy = cpu_busy_fraction((cpu0, read_cpu_row()))
     rows = add_ratios(rows)

@@ -1,14 +1,16 @@
 """One configuration of ``kvfabric bench serve`` in a process of its own.
 
-``python -m kvfabric.bench.serve_worker SPEC.json RESULT.json``: reads the spec (written by
-``bench/serve.py``: the configuration's ``kv_transfer_config`` or None, the preset, the
-phases with their seeds and arrival rates, whether to measure the warm single-request
-floor), builds one in-process vLLM engine on CPU (SmolLM2-135M-Instruct, float32, eager,
-32-token blocks, vLLM's own prefix cache on, a KV cache of ``kv_cache_tokens``), drives
-each phase through ``LLMEngine.add_request`` / ``step`` (a request is added once its
-arrival time has passed; TTFT is counted from its arrival, not from when the loop got to
-it), and writes the per-request records as JSON. Any exception is written as
-``{"error": ...}`` and the process exits 1. Progress lines go to stderr.
+``python -m kvfabric.bench.serve_worker SPEC.json OUT_DIR``: reads the spec (written by
+``bench/serve.py``: the configuration's ``kv_transfer_config`` or None, the preset, whether
+to trace the connector's spans) and builds one in-process vLLM engine on CPU
+(SmolLM2-135M-Instruct, float32, eager, 32-token blocks, vLLM's own prefix cache on, a KV
+cache of ``kv_cache_tokens``). The engine lives for the whole run: the parent sends it one
+command at a time on stdin (a phase with its seeds and arrival rate, or the warm
+single-request floor), so configurations take turns phase by phase, and reads each answer
+(per-request records as JSON) from a file; see :func:`main`. A phase is driven through
+``LLMEngine.add_request`` / ``step``: a request is added once its arrival time has passed,
+and its TTFT is counted from its arrival, not from when the loop got to it. Progress lines
+go to stderr.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from kvfabric.bench.serve_workload import (
-    Phase,
     Preset,
     RequestRecord,
     make_prefixes,
@@ -212,7 +213,33 @@ def warm_floor(llm: Any, preset: Preset, seed: int, exporter: Any, model: str) -
     }
 
 
-def main(spec_path: str, result_path: str) -> int:
+def _run_phase(llm: Any, preset: Preset, config: str, cmd: dict[str, Any]) -> dict[str, Any]:
+    """One ``phase`` command: its requests served from now, the stats and the records."""
+    qps = cmd["qps"]
+    prefixes = make_prefixes(preset, cmd["prefix_seed"])
+    reqs = make_workload(preset, cmd["seed"], qps, prefixes, cmd.get("order_seed"))
+    _say(config, f"phase {cmd['phase']}: {len(reqs)} requests, qps {round(qps, 3) if qps else 'all at once'}")
+    records, wall = serve_phase(llm, reqs, preset.output_tokens)
+    stats = phase_stats(records, wall)
+    _say(config, f"phase {cmd['phase']}: {stats}")
+    time.sleep(0.3)
+    _flush()
+    return {"phase": cmd["phase"], "qps": qps, "stats": stats, "records": [asdict(r) for r in records]}
+
+
+def _write(path: str, obj: dict[str, Any]) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (the parent polls for the file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def main(spec_path: str, out_dir: str) -> int:
+    """Build the engine, write ``OUT_DIR/ready.json``, then serve the commands read from
+    stdin, one JSON object a line, until ``quit`` or end of input: ``{"op": "phase", "id":
+    N, "phase", "seed", "prefix_seed", "qps"}`` or ``{"op": "floor", "id": N}``; each
+    answer goes to ``OUT_DIR/N.json`` (``error`` set when it failed). An engine that fails
+    to build writes its error to ``ready.json`` and exits 1."""
     with open(spec_path) as f:
         spec = json.load(f)
     config = spec["config"]
@@ -222,8 +249,8 @@ def main(spec_path: str, result_path: str) -> int:
         setproctitle.setproctitle(f"kvfabric-bench-serve EngineCore {config}")
     except ImportError:
         pass
-    result: dict[str, Any] = {"phases": []}
     llm = None
+    ready: dict[str, Any] = {}
     try:
         preset = Preset(**spec["preset"])
         exporter = None
@@ -240,44 +267,40 @@ def main(spec_path: str, result_path: str) -> int:
             use_tracer_provider(provider)
         t0 = time.perf_counter()
         llm = build_engine(spec["model"], spec["transfer"], spec["kv_bytes"], preset.max_model_len)
-        result["engine_start_s"] = round(time.perf_counter() - t0, 2)
+        ready["engine_start_s"] = round(time.perf_counter() - t0, 2)
         cc = llm.llm_engine.vllm_config.cache_config
-        result["kv_cache_blocks"] = getattr(cc, "num_gpu_blocks", None)
-        _say(config, f"engine up in {result['engine_start_s']} s ({result['kv_cache_blocks']} KV blocks)")
+        ready["kv_cache_blocks"] = getattr(cc, "num_gpu_blocks", None)
+        _say(config, f"engine up in {ready['engine_start_s']} s ({ready['kv_cache_blocks']} KV blocks)")
         _one(llm, list(make_prefixes(Preset("w", 1, 64, 1, 0, 1, 0), 999)[0]))  # one-time costs
-        sat_rps = None
-        for ph in spec["phases"]:
-            qps = ph["qps"]
-            if qps == "auto":
-                if sat_rps is None:
-                    raise ValueError("qps 'auto' needs a saturation phase before it")
-                qps = preset.rate_fraction * sat_rps
-            prefixes = make_prefixes(preset, ph["prefix_seed"])
-            reqs = make_workload(preset, ph["seed"], qps, prefixes)
-            _say(config, f"phase {ph['phase']}: {len(reqs)} requests, qps {qps if qps else 'all at once'}")
-            records, wall = serve_phase(llm, reqs, preset.output_tokens)
-            stats = phase_stats(records, wall)
-            if ph["phase"] == Phase.SATURATION.value:
-                sat_rps = stats["requests_per_s"]
-            _say(config, f"phase {ph['phase']}: {stats}")
-            result["phases"].append(
-                {"phase": ph["phase"], "qps": qps, "stats": stats, "records": [asdict(r) for r in records]}
-            )
-            time.sleep(0.3)
-            _flush()
-        if spec.get("floor"):
-            _say(config, "warm single-request floor")
-            result["floor"] = warm_floor(llm, preset, spec["floor_seed"], exporter, spec["model"])
-            _say(config, f"floor: {result['floor']}")
     except BaseException as e:  # noqa: BLE001 - the row says what went wrong
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["traceback"] = traceback.format_exc()[-3000:]
-    finally:
-        with open(result_path, "w") as f:
-            json.dump(result, f)
+        ready["error"] = f"{type(e).__name__}: {e}"
+        ready["traceback"] = traceback.format_exc()[-3000:]
+        _write(os.path.join(out_dir, "ready.json"), ready)
         if llm is not None:
             _close(llm)
-    return 1 if "error" in result else 0
+        return 1
+    _write(os.path.join(out_dir, "ready.json"), ready)
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            res: dict[str, Any] = {}
+            try:
+                if cmd["op"] == "phase":
+                    res = _run_phase(llm, preset, config, cmd)
+                elif cmd["op"] == "floor":
+                    _say(config, "warm single-request floor")
+                    res = warm_floor(llm, preset, cmd["seed"], exporter, spec["model"])
+                    _say(config, f"floor: {res}")
+                else:
+                    raise ValueError(f"unknown command op {cmd['op']!r}")
+            except Exception as e:  # noqa: BLE001 - the row says what went wrong
+                res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            _write(os.path.join(out_dir, f"{cmd['id']}.json"), res)
+    finally:
+        _close(llm)
+    return 0
 
 
 def _close(llm: Any) -> None:

@@ -10,6 +10,10 @@ statistics of a run and the row schema. No engine, no process, no clock.
   arrival offsets from a Poisson process at ``qps`` (``None``: all at 0, saturation).
 * :func:`percentile`, :func:`phase_stats`: requests/s, output tokens/s, TTFT p50/p90/p99
   and hit rate in tokens of one phase from per-request records.
+* :func:`flanked_schedule`: the run order of one phase, vLLM alone before and after every
+  other configuration, so each is compared with the baseline runs next to it in time.
+* :func:`flank_figures`: each run's adjacent baseline figures (the geometric mean of the
+  runs right before and after it), against which its ratios are taken.
 * :func:`add_ratios`: each row's ratios to vLLM alone and to the best peer of its phase.
 * :func:`floor_figures`: the warm single-request floor (KV bytes / memcpy bandwidth + the
   engine's time with the prefix resident) and the warm TTFT's ratio to it.
@@ -75,8 +79,8 @@ class Preset:
         return -(-n // 32) * 32
 
 
-FULL = Preset("full", 20, 2048, 6, 64, 32, kv_cache_tokens=4096)
-QUICK = Preset("quick", 3, 512, 2, 32, 8, kv_cache_tokens=768, floor_rounds=3)
+FULL = Preset("full", 4, 512, 3, 32, 8, kv_cache_tokens=1024)
+QUICK = Preset("quick", 2, 256, 3, 16, 4, kv_cache_tokens=320, rate_fraction=0.7, floor_rounds=3)
 
 
 @dataclass(frozen=True)
@@ -101,25 +105,39 @@ def make_prefixes(preset: Preset, seed: int) -> list[tuple[int, ...]]:
 
 
 def make_workload(
-    preset: Preset, seed: int, qps: float | None, prefixes: Sequence[Sequence[int]] | None = None
+    preset: Preset,
+    seed: int,
+    qps: float | None,
+    prefixes: Sequence[Sequence[int]] | None = None,
+    order_seed: int | None = None,
 ) -> list[Request]:
     """The requests of one phase, sorted by arrival. ``prefixes`` (default: drawn from
     ``seed``) are shared; each request adds a distinct question drawn from ``seed``. The
-    order is a seeded shuffle of every (prefix, repeat) pair, so a prefix's reuses are
-    spread over the run. ``qps`` None: every arrival 0; else exponential gaps of mean
-    ``1 / qps``, the first at 0."""
+    order is a shuffle of every (prefix, repeat) pair seeded by ``order_seed`` (default
+    ``seed``), so a prefix's reuses are spread over the run; ``qps`` None: every arrival 0;
+    else exponential gaps drawn from ``order_seed`` too, the first arrival at 0, scaled so
+    that the last is at ``(n - 1) / qps``: the offered rate is ``qps`` exactly.
+    Runs with one ``order_seed`` and other ``seed`` s serve prompts of other tokens in the
+    same order at the same times: the same reuse pattern for every configuration."""
     if qps is not None and not qps > 0:
         raise ValueError(f"qps must be > 0 or None, got {qps}")
     pre = [tuple(p) for p in prefixes] if prefixes is not None else make_prefixes(preset, seed)
-    rng = random.Random(seed * 7919 + 1)
+    orng = random.Random((seed if order_seed is None else order_seed) * 7919 + 1)
+    qrng = random.Random(seed * 7919 + 2)
     order = [i for i in range(len(pre)) for _ in range(preset.requests_per_prefix)]
-    rng.shuffle(order)
+    orng.shuffle(order)
+    gaps = [orng.expovariate(qps) for _ in order[1:]] if qps is not None else [0.0] * (len(order) - 1)
+    if qps is not None and gaps:
+        # a few requests' exponential gaps can sum far from their mean: scale them so the
+        # phase offers exactly ``qps`` (its last arrival at (n - 1) / qps), the shape kept
+        scale = (len(gaps) / qps) / sum(gaps)
+        gaps = [g * scale for g in gaps]
     out: list[Request] = []
     t = 0.0
     for k, pid in enumerate(order):
-        if qps is not None and k > 0:
-            t += rng.expovariate(qps)
-        out.append(Request(f"s{seed}-r{k}", pid, pre[pid] + _tokens(rng, preset.question_tokens), t))
+        if k > 0:
+            t += gaps[k - 1]
+        out.append(Request(f"s{seed}-r{k}", pid, pre[pid] + _tokens(qrng, preset.question_tokens), t))
     return out
 
 
@@ -151,12 +169,16 @@ class RequestRecord:
 
 
 def phase_stats(records: Sequence[RequestRecord], wall_s: float) -> dict[str, float]:
-    """Figures of one phase: ``wall_s`` from the first arrival to the last request's end."""
+    """Figures of one phase: ``wall_s`` from the first arrival to the last request's end;
+    ``ttft_p50_hit_s`` / ``ttft_p50_miss_s``: TTFT p50 of the requests with cached tokens
+    and of those without (None where there are none)."""
     if not records:
         raise ValueError("phase_stats needs at least one request")
     if not wall_s > 0:
         raise ValueError(f"wall_s must be > 0, got {wall_s}")
     ttft = [r.ttft_s for r in records]
+    hit = [r.ttft_s for r in records if r.cached_tokens > 0]
+    miss = [r.ttft_s for r in records if r.cached_tokens == 0]
     prompt = sum(r.prompt_tokens for r in records)
     return {
         "requests": len(records),
@@ -168,6 +190,10 @@ def phase_stats(records: Sequence[RequestRecord], wall_s: float) -> dict[str, fl
         "ttft_p99_s": round(percentile(ttft, 99), 4),
         "latency_p50_s": round(percentile([r.latency_s for r in records], 50), 4),
         "hit_rate": round(sum(r.cached_tokens for r in records) / prompt, 4) if prompt else 0.0,
+        # the requests that hit a cache (vLLM's own or a connector's) and those that missed
+        "requests_hit": len(hit),
+        "ttft_p50_hit_s": round(percentile(hit, 50), 4) if hit else None,
+        "ttft_p50_miss_s": round(percentile(miss, 50), 4) if miss else None,
         "hit_tokens": sum(r.cached_tokens for r in records),
         "prompt_tokens": prompt,
     }
@@ -209,6 +235,46 @@ def _ratio(num: Any, den: Any) -> float | None:
     return round(num / den, 3)
 
 
+def flanked_schedule(configs: Sequence[str], baseline: str) -> list[str]:
+    """The run order of one phase: ``baseline`` first, then each of ``configs`` followed by
+    ``baseline`` again (``b, c1, b, c2, b, ..., cn, b``), so every configuration runs
+    between two baseline runs and a drift in the machine's load moves both sides of its
+    ratio alike."""
+    if baseline in configs:
+        raise ValueError(f"the baseline {baseline!r} is not one of the configurations it flanks")
+    out = [baseline]
+    for c in configs:
+        out += [c, baseline]
+    return out
+
+
+#: the figures a run's adjacent baseline is summarized by
+FLANK_FIGURES = ("ttft_p50_s", "requests_per_s")
+
+
+def flank_figures(runs: Sequence[tuple[str, dict[str, Any]]], baseline: str) -> list[dict[str, float] | None]:
+    """For each run of ``runs`` (in the order they ran: (config, stats) pairs), the
+    baseline's figures next to it in time: for each of :data:`FLANK_FIGURES`, the geometric
+    mean of the nearest baseline run before it and the nearest after it (one side alone
+    where the other has none), keyed ``vllm_adjacent_<figure>``. None for a baseline run,
+    and for a run with no baseline run on either side or whose neighbours lack a figure."""
+    out: list[dict[str, float] | None] = []
+    for i, (cfg, _) in enumerate(runs):
+        if cfg == baseline:
+            out.append(None)
+            continue
+        before = next((st for c, st in reversed(runs[:i]) if c == baseline), None)
+        after = next((st for c, st in runs[i + 1 :] if c == baseline), None)
+        sides = [st for st in (before, after) if st is not None]
+        figs: dict[str, float] = {}
+        for key in FLANK_FIGURES:
+            vals = [st.get(key) for st in sides]
+            if vals and all(isinstance(v, (int, float)) and v > 0 for v in vals):
+                figs[f"vllm_adjacent_{key}"] = round(math.prod(vals) ** (1 / len(vals)), 4)
+        out.append(figs if len(figs) == len(FLANK_FIGURES) else None)
+    return out
+
+
 def _baseline_phase(phase: str | None) -> str | None:
     """The vLLM-alone phase a row is compared with: a second engine re-serves the saturation
     phase's prefixes, so it is set against vLLM alone at saturation."""
@@ -218,29 +284,37 @@ def _baseline_phase(phase: str | None) -> str | None:
 def add_ratios(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows with their ratios filled in, per phase. Each ratio is >1 when the row is
     better: ``ratio_ttft_p50_vs_vllm`` = vLLM-alone's TTFT p50 / the row's,
-    ``ratio_requests_per_s_vs_vllm`` = the row's requests/s / vLLM-alone's,
-    ``ratio_vs_best_peer`` = the best peer's TTFT p50 / the row's, where the best peer is
-    the ``ok`` peer row of the phase with the lowest TTFT p50 (``best_peer`` names it),
-    ``ratio_requests_per_s_vs_best_peer`` = the row's requests/s / that peer's.
-    Rows without the figure, or a phase without a baseline or a peer, get None."""
+    ``ratio_requests_per_s_vs_vllm`` = the row's requests/s / vLLM-alone's. vLLM alone's
+    figures are the row's ``vllm_adjacent_ttft_p50_s`` / ``vllm_adjacent_requests_per_s``
+    where it has them (the baseline runs right before and after it, :func:`flank_figures`),
+    else the baseline row of its phase. The best peer of a phase is the ``ok`` peer row with
+    the highest ``ratio_ttft_p50_vs_vllm`` (``best_peer`` names it); ``ratio_vs_best_peer``
+    = the row's ``ratio_ttft_p50_vs_vllm`` / that peer's and
+    ``ratio_requests_per_s_vs_best_peer`` likewise, so both sides are taken against their own
+    adjacent baseline and the peer's run at another time does not skew it. Rows without
+    the figure, or a phase without a baseline or a peer, get None."""
     out = [dict(r) for r in rows]
     ok = [r for r in out if r.get("status") == "ok" and isinstance(r.get("ttft_p50_s"), (int, float))]
     base = {r["phase"]: r for r in ok if r["kind"] == ConfigKind.BASELINE.value}
-    peers: dict[str, dict[str, Any]] = {}
-    for r in ok:
-        if r["kind"] == ConfigKind.PEER.value:
-            cur = peers.get(r["phase"])
-            if cur is None or r["ttft_p50_s"] < cur["ttft_p50_s"]:
-                peers[r["phase"]] = r
     for r in out:
         b = base.get(_baseline_phase(r.get("phase")))
+        b_ttft = r.get("vllm_adjacent_ttft_p50_s") or (b["ttft_p50_s"] if b else None)
+        b_rps = r.get("vllm_adjacent_requests_per_s") or (b["requests_per_s"] if b else None)
+        r["ratio_ttft_p50_vs_vllm"] = _ratio(b_ttft, r.get("ttft_p50_s"))
+        r["ratio_requests_per_s_vs_vllm"] = _ratio(r.get("requests_per_s"), b_rps)
+    peers: dict[str, dict[str, Any]] = {}
+    for r in ok:
+        if r["kind"] == ConfigKind.PEER.value and r["ratio_ttft_p50_vs_vllm"] is not None:
+            cur = peers.get(r["phase"])
+            if cur is None or r["ratio_ttft_p50_vs_vllm"] > cur["ratio_ttft_p50_vs_vllm"]:
+                peers[r["phase"]] = r
+    for r in out:
         p = peers.get(_baseline_phase(r.get("phase")))
-        if b is not None:
-            r["ratio_ttft_p50_vs_vllm"] = _ratio(b["ttft_p50_s"], r.get("ttft_p50_s"))
-            r["ratio_requests_per_s_vs_vllm"] = _ratio(r.get("requests_per_s"), b["requests_per_s"])
         if p is not None:
-            r["ratio_vs_best_peer"] = _ratio(p["ttft_p50_s"], r.get("ttft_p50_s"))
-            r["ratio_requests_per_s_vs_best_peer"] = _ratio(r.get("requests_per_s"), p["requests_per_s"])
+            r["ratio_vs_best_peer"] = _ratio(r["ratio_ttft_p50_vs_vllm"], p["ratio_ttft_p50_vs_vllm"])
+            r["ratio_requests_per_s_vs_best_peer"] = _ratio(
+                r["ratio_requests_per_s_vs_vllm"], p["ratio_requests_per_s_vs_vllm"]
+            )
             r["best_peer"] = p["config"]
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -55,7 +56,9 @@ def test_workload_arrivals_follow_the_rate() -> None:
     reqs = make_workload(big, seed=3, qps=10.0)
     t = [r.arrival_s for r in reqs]
     assert t == sorted(t) and t[0] == 0
-    assert len(reqs) / t[-1] == pytest.approx(10.0, rel=0.1)
+    assert (len(reqs) - 1) / t[-1] == pytest.approx(10.0, rel=1e-9)  # the offered rate exactly
+    gaps = sorted(b - a for a, b in itertools.pairwise(t))
+    assert gaps[len(gaps) // 10] < 0.05 < 0.15 < gaps[-len(gaps) // 10]  # exponential, not even
     shared = make_workload(P, seed=5, qps=2.0, prefixes=make_prefixes(P, 9))
     assert shared[0].prompt[:64] in make_prefixes(P, 9)
     with pytest.raises(ValueError):
@@ -90,6 +93,8 @@ def test_phase_stats() -> None:
     assert st["ttft_p50_s"] == 2.5
     assert st["hit_rate"] == 0.25
     assert st["hit_tokens"] == 100 and st["prompt_tokens"] == 400
+    assert st["requests_hit"] == 2 and st["ttft_p50_hit_s"] == 2.0 and st["ttft_p50_miss_s"] == 3.0
+    assert phase_stats(recs[:1], 1.0)["ttft_p50_miss_s"] is None
     with pytest.raises(ValueError):
         phase_stats([], 1.0)
 
@@ -162,3 +167,75 @@ def test_rows_of_a_result_and_of_a_crash() -> None:
         and crash[0]["error"] == "ImportError: no module named x"
     )
     assert set(ROW_KEYS) <= set(crash[0])
+
+
+def test_flanked_schedule_puts_the_baseline_around_every_configuration() -> None:
+    from kvfabric.bench.serve_workload import flanked_schedule
+
+    assert flanked_schedule(["a", "b"], "v") == ["v", "a", "v", "b", "v"]
+    assert flanked_schedule([], "v") == ["v"]
+    with pytest.raises(ValueError, match="baseline"):
+        flanked_schedule(["v", "a"], "v")
+
+
+def test_flank_figures_take_the_baseline_runs_next_to_each_run() -> None:
+    from kvfabric.bench.serve_workload import flank_figures
+
+    def st(ttft: float, rps: float) -> dict:
+        return {"ttft_p50_s": ttft, "requests_per_s": rps}
+
+    # the baseline drifts 4x slower over the run; each run is set against its own neighbours
+    runs = [
+        ("v", st(1.0, 4.0)),
+        ("a", st(0.5, 8.0)),
+        ("v", st(4.0, 1.0)),
+        ("b", {}),  # a failed run: no figures, and no effect on the others
+        ("v", st(4.0, 1.0)),
+        ("c", st(2.0, 2.0)),
+    ]
+    figs = flank_figures(runs, "v")
+    assert figs[0] is None and figs[2] is None and figs[4] is None
+    assert figs[1] == {"vllm_adjacent_ttft_p50_s": 2.0, "vllm_adjacent_requests_per_s": 2.0}  # geomean
+    assert figs[3] == {"vllm_adjacent_ttft_p50_s": 4.0, "vllm_adjacent_requests_per_s": 1.0}
+    assert figs[5] == {"vllm_adjacent_ttft_p50_s": 4.0, "vllm_adjacent_requests_per_s": 1.0}  # one side
+    assert flank_figures([("a", st(1.0, 1.0))], "v") == [None]
+    rows = add_ratios(
+        [
+            {**_row("v", ConfigKind.BASELINE, Phase.SATURATION, 3.0, 1.5)},
+            {**_row("a", ConfigKind.PEER, Phase.SATURATION, 0.5, 8.0), **figs[1]},
+            {**_row("c", ConfigKind.KVFABRIC, Phase.SATURATION, 2.0, 2.0), **figs[5]},
+        ]
+    )
+    a, c = rows[1], rows[2]
+    assert a["ratio_ttft_p50_vs_vllm"] == 4.0 and a["ratio_requests_per_s_vs_vllm"] == 4.0
+    assert c["ratio_ttft_p50_vs_vllm"] == 2.0 and c["ratio_requests_per_s_vs_vllm"] == 2.0
+    # against the best peer: each side's ratio to its own adjacent baseline
+    assert c["best_peer"] == "a" and c["ratio_vs_best_peer"] == 0.5
+    assert c["ratio_requests_per_s_vs_best_peer"] == 0.5
+
+
+def test_pooled_baseline_runs() -> None:
+    from kvfabric.bench.serve import _pooled
+
+    def run(ttfts: list[float], wall: float) -> dict:
+        recs = [RequestRecord(t, t + 1, 10, 0, 2) for t in ttfts]
+        return {
+            "phase": "rate",
+            "qps": 1.0,
+            "stats": phase_stats(recs, wall),
+            "records": [r.__dict__ for r in recs],
+        }
+
+    p = _pooled([run([1.0, 2.0], 2.0), run([3.0, 4.0], 6.0)])
+    assert p["runs"] == 2 and p["requests_per_s_runs"] == [1.0, 0.3333]
+    assert p["stats"]["requests"] == 4 and p["stats"]["requests_per_s"] == 0.5
+    assert p["stats"]["ttft_p50_s"] == 2.5 and p["ttft_p50_s_runs"] == [1.5, 3.5]
+
+
+def test_one_order_seed_gives_every_run_the_same_reuse_pattern() -> None:
+    a = make_workload(P, seed=11, qps=2.0, order_seed=7)
+    b = make_workload(P, seed=12, qps=2.0, order_seed=7)
+    assert [(r.prefix_id, r.arrival_s) for r in a] == [(r.prefix_id, r.arrival_s) for r in b]
+    assert {r.prompt for r in a}.isdisjoint({r.prompt for r in b})
+    c = make_workload(P, seed=11, qps=2.0, order_seed=8)
+    assert [r.arrival_s for r in a] != [r.arrival_s for r in c]
