@@ -142,10 +142,17 @@ class MetaService:
             self.replicas.drop(key, g)
         new = left[0]  # the first surviving replica becomes the primary (no event: still stored)
         self.replicas.drop(key, new)
-        self.table.update(hit.slot, gva=new)
+        self._move_primary(key, new)
         self.counters.promoted += 1
         self.counters.replicas_lost += 1
         return 0
+
+    def _move_primary(self, key: bytes, gva: int) -> None:
+        """Point ``key``'s entry at another of its extents (looked up again: removing a
+        replica slot may have moved it)."""
+        hit = self.table.find(key)
+        if hit is not None:
+            self.table.update(hit.slot, gva=gva)
 
     def _fence_or_forget(self, lease: WriteLease | None, key: bytes, gva: int, size: int, gone: bool) -> None:
         """An extent of a put that lost a rank: in the leaving window nothing is left to
@@ -493,7 +500,7 @@ class MetaService:
             return Status.OK
         if gva == hit.gva:  # the primary goes: its first replica takes its place
             self.replicas.drop(key, extra[0])
-            self.table.update(hit.slot, gva=extra[0])
+            self._move_primary(key, extra[0])
         else:
             self.replicas.drop(key, gva)
         self._free_extent(gva, hit.size)
