@@ -116,3 +116,44 @@ def test_replicas_2_survive_a_killed_data_owner_with_every_byte_checked(tmp_path
         c.close()
         remote.close()
         d.stop()
+
+
+def test_a_restarted_service_merges_the_extents_each_owner_re_registers(tmp_path: Path, isolated_shm):
+    """The owners are idle: their listing of what their windows hold (``Held``, each
+    ``replica_sync_s``) is what notices the new service and re-registers; the service puts
+    the two extents of each key, reported by two processes, back into one entry."""
+    extra = {"replicas": 2, "session_ttl_s": 1.0, "replica_sync_s": 0.2}
+    d = Daemon(tmp_path, name="rep2", dram="0", extra=extra).start()
+    owners = [_owner(d.socket), _owner(d.socket)]
+    c = connect(d.socket)
+    try:
+        ranks = sorted(r for _, r in owners)
+        deadline = time.monotonic() + 5
+        while set(ranks) - set(c.info()["ranks"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        keys = [f"k/{i}" for i in range(32)]
+        assert (c.batch_put(keys, [content(k, SIZE) for k in keys]) == Status.OK).all()
+        time.sleep(0.6)  # the owners' listings include every extent
+        d.kill()
+        d = Daemon(tmp_path, name="rep2", dram="0", extra=extra).start()
+        deadline = time.monotonic() + 10
+        ext: list[list[int]] = []
+        while time.monotonic() < deadline:
+            try:
+                ext = _extents(c, keys)
+            except Exception:  # noqa: BLE001 - the client catches up with the new service
+                time.sleep(0.1)
+                continue
+            if all(len(e) == 2 for e in ext):
+                break
+            time.sleep(0.1)
+        assert all(sorted(c.addr.decode(g)[1] for g in e) == ranks for e in ext), ext
+        assert c.info()["objects"] == len(keys) and c.info()["replica_extents"] == len(keys)
+        worst = [0.0]
+        assert _read_all(c, keys, worst) == (len(keys), 0)
+    finally:
+        for proc, _ in owners:
+            if proc.poll() is None:
+                proc.communicate("", timeout=30)
+        c.close()
+        d.stop()
