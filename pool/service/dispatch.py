@@ -250,6 +250,11 @@ class Dispatcher:
             "replica_sync_s": s.config.replica_sync_s,
             "objects": s.table.count - s.replica_slots(),
             "replica_extents": s.replica_slots(),
+            "replication": {  # replicas.py: puts placed short, copies taking over, copies lost
+                "under_replicated": s.counters.under_replicated,
+                "promoted": s.counters.promoted,
+                "lost": s.counters.replicas_lost,
+            },
             "max_objects": s.table.capacity,
             "ranks": sorted({r for r, _ in s.windows}),
             "capacity": s.capacity(),
