@@ -245,16 +245,15 @@ class MetaService:
             w for w in self._candidates(home, preferred, medium) if w.alloc.round(size) <= w.alloc.capacity
         ]
         nodes = node_of if callable(node_of) else (lambda r: f"rank:{r}")
-        # free space first; then evict, in placement order, for the extents still missing
-        placed = place(wins, replicas, nodes, lambda w: w.alloc.alloc(size))
-        if len(placed) < replicas:
-            placed = place(
-                wins,
-                replicas,
-                nodes,
-                lambda w: w.alloc.alloc(size) if self._evict(w, need=size) else None,
-                placed,
-            )
+        # free space first, then evict (in placement order) for the extents still missing:
+        # on distinct nodes, and only then on other ranks of the nodes already used
+        free = lambda w: w.alloc.alloc(size)  # noqa: E731
+        evict = lambda w: w.alloc.alloc(size) if self._evict(w, need=size) else None  # noqa: E731
+        placed: list[tuple[Window, int]] = []
+        for fits, nodes_only in ((free, True), (evict, True), (free, False), (evict, False)):
+            if len(placed) >= replicas or (not nodes_only and replicas == 1):
+                break
+            placed = place(wins, replicas, nodes, fits, placed, nodes_only)
         if not placed:
             if wins:  # it would fit a window: the pool is full, not the request too large
                 self.space_refused_at = now

@@ -107,15 +107,16 @@ def place(
     node_of: Callable[[int], str],
     fits: Callable[[Window], int | None],
     placed: list[tuple[Window, int]] | None = None,
+    nodes_only: bool = False,
 ) -> list[tuple[Window, int]]:
     """Extents for one object: ``windows`` in placement order (the first that fits takes
     the first extent), ``fits(w)``: an offset in ``w`` or None (it may evict). At most
-    ``replicas`` extents, on distinct nodes first, then on distinct ranks; ``placed``: the
-    extents found by an earlier pass (kept, and extended)."""
+    ``replicas`` extents, on distinct nodes first, then (unless ``nodes_only``) on distinct
+    ranks; ``placed``: the extents found by an earlier pass (kept, and extended)."""
     placed = list(placed or [])
     ranks = {w.rank for w, _ in placed}
     nodes = {node_of(w.rank) for w, _ in placed}
-    for distinct_nodes in (True, False):
+    for distinct_nodes in (True,) if nodes_only or replicas == 1 else (True, False):
         for w in windows:
             if len(placed) >= replicas:
                 return placed
@@ -127,8 +128,6 @@ def place(
             placed.append((w, off))
             ranks.add(w.rank)
             nodes.add(node_of(w.rank))
-        if replicas == 1:
-            break
     return placed
 
 

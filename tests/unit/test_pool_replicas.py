@@ -58,6 +58,16 @@ def test_extents_go_to_distinct_nodes_first_then_distinct_ranks(env):
     assert svc.counters.under_replicated == 0
 
 
+def test_a_full_window_of_another_node_evicts_before_a_copy_goes_to_the_same_node(env):
+    svc, _ = env
+    svc.drop_rank(4)  # node-a: ranks 1 and 2; node-b: rank 3
+    for i in range(7):  # 56 KiB of rank 3's 64 KiB (under the high watermark)
+        st, *_ = svc.alloc_replicas("c", [f"b{i}".encode()], [8 * KiB], preferred_rank=3, replicas=1)
+        assert st == [Status.OK] and svc.commit("c", [f"b{i}".encode()], [True]) == [Status.OK]
+    extents = put(svc, b"new", 2, size=12 * KiB, home=1)
+    assert [rank_of(svc, g) for g in extents] == [1, 3] and svc.counters.evicted_objects >= 1
+
+
 def test_more_replicas_than_ranks_places_as_many_as_there_are_and_says_so(env):
     svc, _ = env
     extents = put(svc, b"k", 6)
