@@ -36,8 +36,12 @@ fields a case does not measure are None; ``context`` is the group's mean prompt 
   two distributions coarsened to the tokens in both top-k lists plus one bucket for the
   rest (a lower bound of the full-vocabulary KL, equal to it when the rest holds no mass);
   ``kl_outside_mass_max`` is dense's largest mass outside the shared tokens.
-* ``case: "speed"``: ``step_ms`` / ``dense_step_ms`` (medians) at the group's batch and at
-  batch 1, for SmolLM2's groups (budget 1,024) and 8 random-token prompts of
+* ``case: "speed"``: ``step_ms`` / ``dense_step_ms`` (medians; ``step_ms_mean`` /
+  ``dense_step_ms_mean`` the means) at the group's batch and at batch 1, ``reuse_steps``
+  (how many steps a layer's selection was kept), ``dense_short_step_ms`` (the stock
+  engine's step at the group's batch over 256-token prompts, the warm-up group: what a step
+  costs besides long-context attention, so ``dense_step_ms / dense_short_step_ms`` bounds
+  any attention speed-up), for SmolLM2's groups (budget 1,024) and 8 random-token prompts of
   ``TINY_CONTEXT`` tokens on the random-weight tiny Llama (budget 2,048). Compute saved is
   ``kv_read_frac`` (``blocks_selected / blocks_total`` of the backend's stats over the
   group: the KV blocks the sparse kernel read against what dense attention reads there)
@@ -50,6 +54,7 @@ fields a case does not measure are None; ``context`` is the group's mean prompt 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -291,6 +296,8 @@ class Served:
     batch_s: tuple[float, ...]
     solo_s: tuple[float, ...]
     stats: dict[str, int]
+    floor_s: tuple[float, ...] = ()  # the same engine's steps at a short context (warm-up)
+    floor_solo_s: tuple[float, ...] = ()  # ... and at batch 1
 
 
 def serve(eng: Any, prompts: Sequence[Sequence[int]], new: int, tail: int, stats: Path) -> Served:
@@ -393,7 +400,10 @@ def kv_read(stats_delta: dict[str, int], geo: KVGeometry, batch: int) -> dict[st
 
 def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
     keys = ("blocks_selected", "blocks_total", "sparse_layer_steps", "dense_layer_steps")
-    return {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in keys}
+    out = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in keys}
+    if after.get("reuse_steps") is not None:
+        out["reuse_steps"] = int(after["reuse_steps"])
+    return out
 
 
 def _row(
@@ -443,13 +453,16 @@ def _serve_all(groups: Sequence[Group], method: str | None, new: int, tail: int,
     with _Sparse(method, groups[0].budget, stats):
         eng = _engine(model, kv, max_len)
         try:
-            warm = [[1 + i % 100 for i in range(256)]] * batch  # first calls of each batch shape, untimed
-            serve(eng, warm, 4, 2, stats)
+            # first calls of each batch shape; its steps (256 tokens) give the engine's step
+            # time without long attention, the floor any attention speed-up works against
+            warm = [[1 + i % 100 for i in range(256)]] * batch
+            floor = serve(eng, warm, 4, 4, stats)
+            _say(f"  short-context steps (ms): batch {[round(t * 1e3, 1) for t in floor.batch_s]}")
             out = []
             for g in groups:
                 _say(f"{g.model} ~{g.context} tokens x {len(g.prompts)}: {method or 'dense'}")
-                out.append(serve(eng, g.prompts, new, tail, stats))
-                sv = out[-1]
+                sv = serve(eng, g.prompts, new, tail, stats)
+                out.append(dataclasses.replace(sv, floor_s=floor.batch_s, floor_solo_s=floor.solo_s))
                 _say(
                     f"  steps (ms): batch {[round(t * 1e3, 1) for t in sv.batch_s]}, "
                     f"solo {[round(t * 1e3, 1) for t in sv.solo_s]}; {sv.stats}"
@@ -476,11 +489,15 @@ def group_rows(
         served = _serve_all(groups, method, new, tail, work)
         for g, d, m in zip(groups, dense, served):
             ctx = round(statistics.mean(len(p) for p in g.prompts))
-            for batch, ms, dms in ((len(g.prompts), m.batch_s, d.batch_s), (1, m.solo_s, d.solo_s)):
+            for batch, ms, dms, fl in (
+                (len(g.prompts), m.batch_s, d.batch_s, d.floor_s),
+                (1, m.solo_s, d.solo_s, d.floor_solo_s),
+            ):
                 if not ms or not dms:
                     _say(f"  no step of batch {batch} was timed: no speed row")
                     continue
                 step, dstep = _ms(ms), _ms(dms)
+                floor = round(_ms(fl), 3) if fl else None
                 yield _row(
                     "speed",
                     g.model,
@@ -491,6 +508,10 @@ def group_rows(
                     step_ms=round(step, 3),
                     dense_step_ms=round(dstep, 3),
                     speedup_vs_dense=round(dstep / step, 3),
+                    step_ms_mean=round(statistics.mean(ms) * 1e3, 3),
+                    dense_step_ms_mean=round(statistics.mean(dms) * 1e3, 3),
+                    dense_short_step_ms=floor,
+                    reuse_steps=m.stats.get("reuse_steps"),
                     steps=len(ms),
                     **kv_read(m.stats, geo, batch),
                     kv_memory_saved_bytes=0,
