@@ -399,7 +399,7 @@ def kv_read(stats_delta: dict[str, int], geo: KVGeometry, batch: int) -> dict[st
 
 
 def _delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
-    keys = ("blocks_selected", "blocks_total", "sparse_layer_steps", "dense_layer_steps")
+    keys = ("blocks_selected", "blocks_total", "sparse_layer_steps", "dense_layer_steps", "prompt_chunks")
     out = {k: int(after.get(k, 0)) - int(before.get(k, 0)) for k in keys}
     if after.get("reuse_steps") is not None:
         out["reuse_steps"] = int(after["reuse_steps"])
@@ -512,6 +512,7 @@ def group_rows(
                     dense_step_ms_mean=round(statistics.mean(dms) * 1e3, 3),
                     dense_short_step_ms=floor,
                     reuse_steps=m.stats.get("reuse_steps"),
+                    prompt_chunks=m.stats.get("prompt_chunks"),
                     steps=len(ms),
                     **kv_read(m.stats, geo, batch),
                     kv_memory_saved_bytes=0,

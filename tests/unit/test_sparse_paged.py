@@ -232,6 +232,21 @@ def test_reused_selections_follow_the_sequence_and_are_staggered_over_layers(tmp
         assert gaps and all(1 <= g <= 3 for g in gaps), made
     assert made[0][1:] != made[1][1:]  # staggered after the first selection
     assert rt.snapshot()["plugin"]["reused"] > 0
+    # a new request on the same blocks and slot selects anew: nothing kept is lent to it
+    other = torch.randn(n + 1, H, D)
+    _write(kv, table[0], other, 0)
+    qsl = torch.tensor([0, n], dtype=torch.int32)
+    plan = rt.plan(object(), table, torch.tensor([n], dtype=torch.int32), qsl, kv.num_blocks)
+    for layer in range(2):
+        rt.layer_begin(plan, layer, (torch.randn(n, H * G, D), other[:n], other[:n]), kv)
+        rt.layer_end(plan, layer, torch.zeros(n, H * G, D), kv)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    plan = rt.plan(object(), table, torch.tensor([n + 1], dtype=torch.int32), qsl, kv.num_blocks)
+    before = rt.paged.counters.selections
+    for layer in range(2):
+        assert rt.layer_begin(plan, layer, (torch.randn(1, H * G, D), other[n:], other[n:]), kv) is not None
+        rt.layer_end(plan, layer, torch.zeros(1, H * G, D), kv)
+    assert rt.stats.requests == 2 and rt.paged.counters.selections == before + 2
 
 
 def test_a_prompt_prefilled_in_chunks_selects_like_one_prefilled_at_once(tmp_path) -> None:

@@ -486,6 +486,8 @@ class PagedSelector:
         slot = self._slots.pop(rid, None)
         if slot is not None:
             self._free.append(slot)
+            # a kept selection of this slot is the finished request's: never the next one's
+            self._kept = [None if k is not None and slot in k.slot_key else k for k in self._kept]
 
     def ensure_blocks(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         """The owner table for a cache of ``num_blocks`` physical blocks (-1: nobody)."""
