@@ -206,7 +206,7 @@ class Dispatcher:
             if self.hold_allocs_until and time.monotonic() < self.hold_allocs_until:
                 return p.Reply(e, status=[int(Status.UNAVAILABLE)] * len(req.keys), gvas=[0] * len(req.keys))
             medium = None if req.medium is None else Medium.parse(req.medium)
-            st, g, gen, more = s.alloc_replicas(
+            st, g, gen = s.alloc(
                 req.client,
                 req.keys,
                 req.sizes,
@@ -217,6 +217,7 @@ class Dispatcher:
                 req.replicas,
                 self.nodes,
             )
+            more = [s.extents(k) if x == Status.OK else [] for k, x in zip(req.keys, st)]
             return p.Reply(e, status=st, gvas=g, gens=gen, replicas=more if any(more) else [])
         if isinstance(req, p.Commit):
             return p.Reply(e, status=s.commit(req.client, req.keys, req.ok, req.ttl_s, req.sums))

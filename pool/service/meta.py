@@ -182,42 +182,34 @@ class MetaService:
         preferred_rank: int | None = None,
         medium: Medium | None = None,
         pid: int = 0,
-    ) -> tuple[list[int], list[int], list[int]]:
-        """Space for each key: ``(status, gva, generation)`` lists. ``pid``: the writer's
-        process when it runs on this node (its fenced space is released when it dies)."""
-        return self.alloc_replicas(client, keys, sizes, home_rank, preferred_rank, medium, pid)[:3]
-
-    def alloc_replicas(
-        self,
-        client: str,
-        keys: list[bytes],
-        sizes: list[int],
-        home_rank: int | None = None,
-        preferred_rank: int | None = None,
-        medium: Medium | None = None,
-        pid: int = 0,
         replicas: int | None = None,
         nodes: Mapping[int, str] | None = None,
-    ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
-        """``alloc`` with ``replicas`` extents a key (None: the pool's ``replicas``), placed
-        on distinct nodes (``nodes``: rank -> node id; a rank not in it is a node of its
-        own), then distinct ranks (``replicas.place``): ``(status, gva, generation, the
-        further extents' gvas)``. Fewer ranks than asked: fewer extents, counted in
-        ``under_replicated`` (the reply's lists say how many)."""
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Space for each key: ``(status, gva, generation)`` lists. ``pid``: the writer's
+        process when it runs on this node (its fenced space is released when it dies).
+        ``replicas``: extents a key (None: the pool's ``replicas``), placed on distinct
+        nodes (``nodes``: rank -> node id; a rank not in it is a node of its own), then
+        distinct ranks (``replicas.place``); the further extents' gvas are the write
+        lease's ``extra`` (:meth:`extents`). Fewer ranks than asked: fewer extents,
+        counted in ``under_replicated``."""
         now = self.clock()
         n = self.config.replicas if replicas is None else replicas
         node_of = (lambda r: nodes.get(r, f"rank:{r}")) if nodes else (lambda r: f"rank:{r}")
-        st, gvas, gens, extra = [], [], [], []
+        st, gvas, gens = [], [], []
         for key, size in zip(keys, sizes):
-            s, g, gen, more = self._alloc_one(
+            s, g, gen = self._alloc_one(
                 client, key, size, home_rank, preferred_rank, medium, now, pid, n, node_of
             )
             st.append(s)
             gvas.append(g)
             gens.append(gen)
-            extra.append(more)
         self.counters.count("alloc", len(keys), sum(1 for s in st if not succeeded(s)))
-        return st, gvas, gens, extra
+        return st, gvas, gens
+
+    def extents(self, key: bytes) -> list[int]:
+        """The further extents' gvas of a key being written (its write lease's), else []."""
+        lease = self.write_leases.get(key)
+        return list(lease.extra) if lease is not None else []
 
     def _candidates(self, home: int | None, preferred: int | None, medium: Medium | None) -> list[Window]:
         wins = [w for w in self.windows.values() if medium is None or w.medium is medium]
@@ -236,11 +228,11 @@ class MetaService:
         pid: int = 0,
         replicas: int = 1,
         node_of: object = None,
-    ) -> tuple[int, int, int, list[int]]:
+    ) -> tuple[int, int, int]:
         if size <= 0:
-            return Status.INVALID, 0, 0, []
+            return Status.INVALID, 0, 0
         if self.table.find(key) is not None:
-            return Status.EXISTS, 0, 0, []
+            return Status.EXISTS, 0, 0
         wins = [
             w for w in self._candidates(home, preferred, medium) if w.alloc.round(size) <= w.alloc.capacity
         ]
@@ -257,7 +249,7 @@ class MetaService:
         if not placed:
             if wins:  # it would fit a window: the pool is full, not the request too large
                 self.space_refused_at = now
-            return Status.NO_SPACE, 0, 0, []
+            return Status.NO_SPACE, 0, 0
         gen = next(self._gen)
         (w, off), rest = placed[0], placed[1:]
         gva = w.lo + off
@@ -266,7 +258,7 @@ class MetaService:
             for pw, poff in placed:
                 pw.alloc.free(poff, size)
             self.space_refused_at = now
-            return Status.NO_SPACE, 0, 0, []
+            return Status.NO_SPACE, 0, 0
         lease = WriteLease(client, gva, size, gen, now + self.config.write_lease_s, pid, tuple(extra))
         self.write_leases[key] = lease
         for pw, _ in placed:
@@ -282,7 +274,7 @@ class MetaService:
                     replicas,
                     len(placed),
                 )
-        return Status.OK, gva, gen, extra
+        return Status.OK, gva, gen
 
     def _insert_replicas(self, key: bytes, gvas: list[int], size: int, gen: int) -> bool:
         """The ALLOCATED replica slots of a new object; False (nothing left behind, the

@@ -45,6 +45,22 @@ def _owner(socket: str) -> tuple[subprocess.Popen, int]:
     return proc, int(proc.stdout.readline())
 
 
+def _wait_ranks(c, ranks: list[int]) -> None:
+    """Until the service saw every owner's rank join (at most 5 s)."""
+    deadline = time.monotonic() + 5
+    while set(ranks) - set(c.info()["ranks"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _stop(owners: list[tuple[subprocess.Popen, int]], d: Daemon, *clients) -> None:
+    for proc, _ in owners:
+        if proc.poll() is None:
+            proc.communicate("", timeout=30)
+    for c in clients:
+        c.close()
+    d.stop()
+
+
 def _extents(c, keys: list[str]) -> list[list[int]]:
     r = c.session.call(p.Lookup([k.encode() for k in keys], lease=False))
     extra = r.replicas or [[] for _ in keys]
@@ -71,9 +87,7 @@ def test_replicas_2_survive_a_killed_data_owner_with_every_byte_checked(tmp_path
     remote = connect(d.socket, local_reads=False)  # reads like a client on another node
     try:
         (a, rank_a), (_b, rank_b) = owners
-        deadline = time.monotonic() + 5
-        while {rank_a, rank_b} - set(c.info()["ranks"]) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_ranks(c, [rank_a, rank_b])
         two = [f"two/{i}" for i in range(48)]
         one = [f"one/{i}" for i in range(16)]
         assert (c.batch_put(two, [content(k, SIZE) for k in two]) == Status.OK).all()
@@ -110,12 +124,7 @@ def test_replicas_2_survive_a_killed_data_owner_with_every_byte_checked(tmp_path
         # the survivor knows what its window holds (what it re-registers with a new leader)
         assert remote.session.call(p.Held(rank_b)).keys.count(b"two/0") == 1
     finally:
-        for proc, _ in owners:
-            if proc.poll() is None:
-                proc.communicate("", timeout=30)
-        c.close()
-        remote.close()
-        d.stop()
+        _stop(owners, d, c, remote)
 
 
 def test_a_restarted_service_merges_the_extents_each_owner_re_registers(tmp_path: Path, isolated_shm):
@@ -128,9 +137,7 @@ def test_a_restarted_service_merges_the_extents_each_owner_re_registers(tmp_path
     c = connect(d.socket)
     try:
         ranks = sorted(r for _, r in owners)
-        deadline = time.monotonic() + 5
-        while set(ranks) - set(c.info()["ranks"]) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_ranks(c, ranks)
         keys = [f"k/{i}" for i in range(32)]
         assert (c.batch_put(keys, [content(k, SIZE) for k in keys]) == Status.OK).all()
         time.sleep(0.6)  # the owners' listings include every extent
@@ -152,8 +159,4 @@ def test_a_restarted_service_merges_the_extents_each_owner_re_registers(tmp_path
         worst = [0.0]
         assert _read_all(c, keys, worst) == (len(keys), 0)
     finally:
-        for proc, _ in owners:
-            if proc.poll() is None:
-                proc.communicate("", timeout=30)
-        c.close()
-        d.stop()
+        _stop(owners, d, c)
