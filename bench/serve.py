@@ -35,6 +35,8 @@ last, flanked the same way), and every ratio to vLLM alone is taken against the 
 runs right next to it (``vllm_adjacent_*``, ``flank_figures``); the ``vllm`` row pools its
 runs and lists each run's figures.
 
+``KVFABRIC_BENCH_SERVE_CONFIGS`` (comma-separated names) runs a subset next to vLLM alone.
+
 Before the engines start, the run waits while another vLLM engine runs on the machine (a
 process named ``EngineCore``, or one with vLLM's compiled ops mapped). SIGTERM, like
 Ctrl-C, stops the children and the daemons before the run exits. At the end the daemons and
@@ -372,6 +374,8 @@ _PHASE_EXTRAS = (
     "runs",
     "requests_per_s_runs",
     "ttft_p50_s_runs",
+    "spans_s",
+    "span_counts",
 )
 
 
@@ -572,6 +576,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     cpu0 = read_cpu_row()
     shm0 = _shm()
     tmp = tempfile.mkdtemp(prefix="kvf-bench-serve-")
+    t_run = time.perf_counter()
     env = {**os.environ, "XDG_RUNTIME_DIR": tmp, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
     ready_s, call_s = (480.0, 300.0) if ctx.quick else (900.0, 1500.0)
     _say(
@@ -587,6 +592,15 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
         daemon, sock = _start_pool(tmp, 4 * preset.working_set_tokens * bpt, env)
         daemons.append(daemon)
         cfgs = configs(tmp, sock, preset, bpt)
+        only = [n.strip() for n in os.environ.get("KVFABRIC_BENCH_SERVE_CONFIGS", "").split(",") if n.strip()]
+        if only:  # a subset, e.g. to look into one configuration; vLLM alone always runs
+            unknown = sorted(set(only) - {c.name for c in cfgs})
+            if unknown:
+                raise ValueError(
+                    f"KVFABRIC_BENCH_SERVE_CONFIGS names no configuration {unknown}; "
+                    f"known: {[c.name for c in cfgs]}"
+                )
+            cfgs = [c for c in cfgs if c.kind is ConfigKind.BASELINE or c.name in only]
         waited = _wait_for_machine()
         if waited > 1:
             _say(f"waited {waited:.0f} s for another engine to end")
@@ -616,7 +630,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
                 "preset": asdict(preset),
                 "model": model,
                 "kv_bytes": preset.kv_cache_tokens * bpt,
-                "trace": cfg.floor,
+                "trace": cfg.kind is ConfigKind.KVFABRIC,  # the connector's spans per phase
             }
             w = Worker(cfg, spec, tmp, wenv)
             w.start()
@@ -712,6 +726,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
             _stop_group(d)
         shutil.rmtree(tmp, ignore_errors=True)
         signal.signal(signal.SIGTERM, prev_term)
+    _say(f"run took {time.perf_counter() - t_run:.0f} s")
     rows: list[dict[str, Any]] = []
     for cfg in cfgs:
         rows += rows_of(cfg, results[cfg.name], preset)

@@ -213,8 +213,13 @@ def warm_floor(llm: Any, preset: Preset, seed: int, exporter: Any, model: str) -
     }
 
 
-def _run_phase(llm: Any, preset: Preset, config: str, cmd: dict[str, Any]) -> dict[str, Any]:
-    """One ``phase`` command: its requests served from now, the stats and the records."""
+def _run_phase(llm: Any, preset: Preset, config: str, cmd: dict[str, Any], exporter: Any) -> dict[str, Any]:
+    """One ``phase`` command: its requests served from now, the stats and the records;
+    with ``exporter`` (the connector's spans traced), the seconds its spans took summed by
+    name (``spans_s``: each ``kvfabric.`` span over all of the phase's requests) and their
+    counts (``span_counts``)."""
+    if exporter is not None:
+        exporter.clear()
     qps = cmd["qps"]
     prefixes = make_prefixes(preset, cmd["prefix_seed"])
     reqs = make_workload(preset, cmd["seed"], qps, prefixes, cmd.get("order_seed"))
@@ -224,7 +229,17 @@ def _run_phase(llm: Any, preset: Preset, config: str, cmd: dict[str, Any]) -> di
     _say(config, f"phase {cmd['phase']}: {stats}")
     time.sleep(0.3)
     _flush()
-    return {"phase": cmd["phase"], "qps": qps, "stats": stats, "records": [asdict(r) for r in records]}
+    out = {"phase": cmd["phase"], "qps": qps, "stats": stats, "records": [asdict(r) for r in records]}
+    if exporter is not None:
+        spans = list(exporter.get_finished_spans())
+        out["spans_s"] = {k: round(v, 4) for k, v in _span_sums(spans).items()}
+        counts: dict[str, int] = {}
+        for sp in spans:
+            key = sp.name.removeprefix("kvfabric.")
+            counts[key] = counts.get(key, 0) + 1
+        out["span_counts"] = counts
+        _say(config, f"phase {cmd['phase']} spans: {out['spans_s']} {counts}")
+    return out
 
 
 def _write(path: str, obj: dict[str, Any]) -> None:
@@ -288,7 +303,7 @@ def main(spec_path: str, out_dir: str) -> int:
             res: dict[str, Any] = {}
             try:
                 if cmd["op"] == "phase":
-                    res = _run_phase(llm, preset, config, cmd)
+                    res = _run_phase(llm, preset, config, cmd, exporter)
                 elif cmd["op"] == "floor":
                     _say(config, "warm single-request floor")
                     res = warm_floor(llm, preset, cmd["seed"], exporter, spec["model"])
