@@ -2,8 +2,9 @@
 
 One engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before vLLM is
 imported; ``in_process=False`` keeps vLLM's own engine-core process), eager mode,
-float32, 32-token blocks, vLLM's own prefix cache off (so every reuse of a prefix goes
-through the connector), a KV cache of ``kv_bytes``. Prompts are token-id lists;
+float32, 32-token blocks, vLLM's own prefix cache off unless ``prefix_cache`` (off, every
+reuse of a prefix goes through the connector; on, as users run vLLM), a KV cache of
+``kv_bytes``. Prompts are token-id lists;
 sampling is greedy. :func:`vllm_problem` says why vLLM cannot run here (not installed;
 or torchvision/torchaudio/torchcodec wheels built for another torch, which break
 transformers' model imports) and how to fix it, or None.
@@ -170,6 +171,7 @@ def make_engine(
     in_process: bool = True,
     tensor_parallel_size: int = 1,
     kv_events: dict[str, Any] | None = None,
+    prefix_cache: bool = False,
 ) -> Engine:
     """Start an engine for ``model`` with ``transfer`` (a kv_transfer_config dict, or None).
 
@@ -185,7 +187,10 @@ def make_engine(
     does nothing (closing the engine finishes their dumps).
 
     ``kv_events``: vLLM's ``kv_events_config`` (``{"enable_kv_cache_events": True,
-    "endpoint": ...}``): the engine publishes KV events, kvfabric's among them."""
+    "endpoint": ...}``): the engine publishes KV events, kvfabric's among them.
+
+    ``prefix_cache``: vLLM's own prefix cache (``enable_prefix_caching``), off by default
+    so that a reused prefix is loaded through the connector."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -220,7 +225,7 @@ def make_engine(
         dtype="float32",
         block_size=BLOCK_SIZE,
         kv_cache_memory_bytes=kv_bytes,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_cache,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_model_len,
         seed=0,
