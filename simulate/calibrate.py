@@ -15,6 +15,10 @@ measures it.
   ``dram_load_gbps`` from a line through those (:func:`fit_load`; where the per-byte
   cost is below resolution, the bandwidth is the median ``memcpy_gbps`` of ``bench
   store`` rows when there are some).
+* ``bench copy`` rows of ``case: cross-process``, ``op: read`` (a load reads the pool's
+  window, which another process owns, into the engine's buffer): ``dram_load_gbps``, the
+  median ``gbps`` over the page kinds at the largest size copied, when no ``bench e2e``
+  rows gave it.
 * ``bench store`` rows of ``store: posix``, ``op: load``: ``ssd_load_gbps`` (the median).
 * ``bench rpc`` rows: ``lookup_rpc_s`` from the smallest ``rpc_p50_us_spin``.
 
@@ -136,6 +140,13 @@ def calibrate(rows: Sequence[Mapping[str, Any]], overrides: Iterable[str] = ()) 
             if loads:
                 fixed, gbps = fit_load(loads, statistics.median(memcpy) if memcpy else None)
                 found["load_fixed_s"], found["dram_load_gbps"] = fixed, gbps
+    reads = [r for r in rows if r.get("case") == "cross-process" and r.get("op") == "read" and "gbps" in r]
+    if reads and "dram_load_gbps" not in found:
+        top = max(int(r["nbytes"]) for r in reads)
+        found["dram_load_gbps"] = statistics.median(
+            float(r["gbps"]) for r in reads if int(r["nbytes"]) == top
+        )
+        sources.append(f"bench copy cross-process reads of {top} B")
     posix = [
         float(r["gbps"]) for r in rows if r.get("store") == "posix" and r.get("op") == "load" and "gbps" in r
     ]
@@ -152,7 +163,7 @@ def calibrate(rows: Sequence[Mapping[str, Any]], overrides: Iterable[str] = ()) 
     found["source"] = "; ".join(sources)
     missing = {
         "prefill_tokens_per_s": "bench e2e",
-        "dram_load_gbps": "bench e2e (its ttft and delegator rows)",
+        "dram_load_gbps": "bench e2e (its ttft and delegator rows) or bench copy",
         "decode_tokens_per_s": "no bench here; give it as decode_tokens_per_s=N",
     }
     given = {o.partition("=")[0].strip() for o in over}

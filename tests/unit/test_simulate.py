@@ -248,6 +248,29 @@ def test_calibrate_from_bench_rows_and_what_is_missing():
     assert "bench e2e" in cal.source
 
 
+def test_calibrate_reads_bench_copy_and_rpc_rows():
+    """``bench copy``'s cross-process reads at the largest size give the DRAM load rate (the
+    median over page kinds; writes and smaller sizes are not loads of a block), ``bench
+    rpc``'s smallest spin p50 the lookup."""
+    rows = [
+        {"case": "cross-process", "op": "read", "pages": p, "nbytes": n, "gbps": g}
+        for p, n, g in [("4k", 1 << 20, 9.0), ("4k", 64 << 20, 4.0), ("thp", 64 << 20, 6.0),
+                        ("hugetlb", 64 << 20, 8.0)]
+    ]  # fmt: skip
+    rows += [
+        {"case": "cross-process", "op": "write", "pages": "4k", "nbytes": 64 << 20, "gbps": 1.0},
+        {"case": "in-process", "op": "h2d", "nbytes": 64 << 20, "gbps": 20.0},
+        {"case": "one client", "rpc_p50_us_spin": 31.0},
+        {"case": "4 clients", "rpc_p50_us_spin": 55.0},
+    ]
+    cal = calibrate(rows, ["prefill_tokens_per_s=500", "decode_tokens_per_s=20"])
+    assert cal.dram_load_gbps == 6.0
+    assert cal.lookup_rpc_s == pytest.approx(31e-6)
+    assert "bench copy" in cal.source and "bench rpc" in cal.source
+    with pytest.raises(ValueError, match="prefill_tokens_per_s is neither in the rows nor given"):
+        calibrate(rows, ["decode_tokens_per_s=20"])
+
+
 def test_sweep_recommends_the_smallest_sizing_and_plots(tmp_path):
     syn = load_synthetic(data={"requests": 300, "prefixes": 30, "prefix_tokens_mean": 512})
     cl = load_cluster(data={"dram_bytes": "64MiB", "kv_bytes_per_token": 4096, "routing": "round-robin"})
