@@ -1,7 +1,9 @@
 """The remote cases of ``kvfabric bench xcopy``, run inside a loopback-only network namespace.
 
 ``bench/xcopy.py`` starts this module under ``unshare -n`` (the Mooncake engine listens
-on every interface). This process is node A, a :class:`GvaPeer` is node B; every figure
+on every interface). This process is node A, a :class:`GvaPeer` is node B; writes of one
+piece and of the 122-piece block, and a read of one piece (``remote-read``: bounded by
+``GvaConfig.remote_read_timeout``, so through the transport's staging); every figure
 sits next to Mooncake's ``TransferEngine`` called directly with the same bytes, between
 the same buffers, interleaved round by round (``ratio_vs_engine``), and next to numpy
 memcpy of the same bytes. Prints one JSON object per line.
@@ -58,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
             direct = [lambda o=o: te.transfer_sync_write(route, src.ptr + o, raddr + o, size) for o in offs]
             mem = [lambda o=o: np.copyto(base_b[o : o + size], base_a[o : o + size]) for o in offs]
             emit("remote", size, 1, ours, direct, mem, rounds)
+            # --- 1 MiB read back: bounded (staging, then a copy to the caller) vs the engine's
+            # own synchronous read straight into the same buffer
+            back = plat.alloc(ws, Medium.DRAM)
+            ours = [lambda o=o: fab.xcopy_sync(back.at(o, size), remote + o, size) for o in offs]
+            direct = [lambda o=o: te.transfer_sync_read(route, back.ptr + o, raddr + o, size) for o in offs]
+            emit("remote-read", size, 1, ours, direct, mem, rounds)
             # --- the 122-piece block: scattered local pieces -> one remote region
             total = int(sum(BLOCK))
             layer = 128 * KiB
