@@ -33,6 +33,21 @@ def test_tokenizer_matches_the_reference_ids(smol):
     assert tok.decode(tok.encode("Hello, world 123")) == "Hello, world 123"
 
 
+def test_q4_1_weights_dequantize_as_gguf_does(smol):
+    """The one-pass Q4_1 path of ``load`` gives gguf's own values, bit for bit (a
+    quarter of the tensors, every kind of weight among them)."""
+    import gguf
+    import numpy as np
+
+    reader = mdl._reader(mdl.fetch_gguf())
+    q4 = [t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_1]
+    assert q4
+    for t in q4[::4]:
+        ours = mdl.dequantize(t.data, t.tensor_type, gguf)
+        assert ours.dtype == np.float32
+        assert np.array_equal(ours, gguf.quants.dequantize(t.data, t.tensor_type)), t.name
+
+
 def test_forward_matches_transformers_llama(smol):
     transformers = pytest.importorskip("transformers")
     model, tok = smol
