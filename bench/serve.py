@@ -35,7 +35,9 @@ last, flanked the same way), and every ratio to vLLM alone is taken against the 
 runs right next to it (``vllm_adjacent_*``, ``flank_figures``); the ``vllm`` row pools its
 runs and lists each run's figures.
 
-``KVFABRIC_BENCH_SERVE_CONFIGS`` (comma-separated names) runs a subset next to vLLM alone.
+``KVFABRIC_BENCH_SERVE_CONFIGS`` (names separated by ``;``) runs a subset next to vLLM
+alone; it may also name the variants of :func:`variants` (kvfabric with one setting
+changed: a synchronous load, the pool or the cache tier alone).
 
 Before the engines start, the run waits while another vLLM engine runs on the machine (a
 process named ``EngineCore``, or one with vLLM's compiled ops mapped). SIGTERM, like
@@ -166,6 +168,52 @@ def configs(tmp: str, pool_socket: str, preset: Preset, bytes_per_token: int) ->
         Config("kvfabric cache|pool", ConfigKind.KVFABRIC, pool, floor=True),
         Config("kvfabric posix", ConfigKind.KVFABRIC, kvfabric_transfer_config("posix", f"{tmp}/posix")),
         Config("kvfabric cache|pool, second engine", ConfigKind.KVFABRIC, pool, second_engine=True),
+    ]
+
+
+def variants(tmp: str, pool_socket: str, preset: Preset, bytes_per_token: int) -> list[Config]:
+    """kvfabric with one setting changed, run only when ``KVFABRIC_BENCH_SERVE_CONFIGS``
+    names them (to see what one part of the connector's path costs)."""
+    from kvfabric.harness.engine import kvfabric_transfer_config
+
+    tier = str(3 * preset.working_set_tokens * bytes_per_token)
+    kvf = ConfigKind.KVFABRIC
+    return [
+        Config(
+            "kvfabric cache|pool, sync load",
+            kvf,
+            kvfabric_transfer_config(
+                "cache|pool", cache_bytes=tier, pool_address=pool_socket, async_load=False
+            ),
+        ),
+        Config(
+            "kvfabric cache|pool, delegator",  # dumps release vLLM's blocks once gathered
+            kvf,
+            kvfabric_transfer_config(
+                "cache|pool", cache_bytes=tier, pool_address=pool_socket, delegator=True
+            ),
+        ),
+        Config(
+            "kvfabric cache|pool, write behind",  # dumps end once in the cache tier
+            kvf,
+            kvfabric_transfer_config(
+                "cache|pool",
+                cache_bytes=tier,
+                pool_address=pool_socket,
+                store_options={"pipeline.write": "behind"},
+            ),
+        ),
+        Config(
+            "kvfabric pool",
+            kvf,
+            kvfabric_transfer_config("pool", pool_address=pool_socket),
+        ),
+        Config("kvfabric cache", kvf, kvfabric_transfer_config("cache", cache_bytes=tier)),
+        Config(
+            "kvfabric posix, sync load",
+            kvf,
+            kvfabric_transfer_config("posix", f"{tmp}/posix-sync", async_load=False),
+        ),
     ]
 
 
@@ -376,6 +424,8 @@ _PHASE_EXTRAS = (
     "ttft_p50_s_runs",
     "spans_s",
     "span_counts",
+    "span_p50_s",
+    "span_max_s",
 )
 
 
@@ -592,14 +642,15 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
         daemon, sock = _start_pool(tmp, 4 * preset.working_set_tokens * bpt, env)
         daemons.append(daemon)
         cfgs = configs(tmp, sock, preset, bpt)
-        only = [n.strip() for n in os.environ.get("KVFABRIC_BENCH_SERVE_CONFIGS", "").split(",") if n.strip()]
+        only = [n.strip() for n in os.environ.get("KVFABRIC_BENCH_SERVE_CONFIGS", "").split(";") if n.strip()]
         if only:  # a subset, e.g. to look into one configuration; vLLM alone always runs
-            unknown = sorted(set(only) - {c.name for c in cfgs})
+            unknown = sorted(set(only) - {c.name for c in cfgs + variants(tmp, sock, preset, bpt)})
             if unknown:
                 raise ValueError(
                     f"KVFABRIC_BENCH_SERVE_CONFIGS names no configuration {unknown}; "
-                    f"known: {[c.name for c in cfgs]}"
+                    f"known: {[c.name for c in cfgs + variants(tmp, sock, preset, bpt)]}"
                 )
+            cfgs += variants(tmp, sock, preset, bpt)
             cfgs = [c for c in cfgs if c.kind is ConfigKind.BASELINE or c.name in only]
         waited = _wait_for_machine()
         if waited > 1:

@@ -215,11 +215,13 @@ def warm_floor(llm: Any, preset: Preset, seed: int, exporter: Any, model: str) -
 
 def _run_phase(llm: Any, preset: Preset, config: str, cmd: dict[str, Any], exporter: Any) -> dict[str, Any]:
     """One ``phase`` command: its requests served from now, the stats and the records;
-    with ``exporter`` (the connector's spans traced), the seconds its spans took summed by
-    name (``spans_s``: each ``kvfabric.`` span over all of the phase's requests) and their
-    counts (``span_counts``)."""
+    with ``exporter`` (the connector's spans traced), of the spans that began in the phase:
+    the seconds they took summed by name (``spans_s``: each ``kvfabric.`` span over all of
+    the phase's requests), their counts, medians and maxima (``span_counts``,
+    ``span_p50_s``, ``span_max_s``)."""
     if exporter is not None:
         exporter.clear()
+    t0_ns = time.time_ns()
     qps = cmd["qps"]
     prefixes = make_prefixes(preset, cmd["prefix_seed"])
     reqs = make_workload(preset, cmd["seed"], qps, prefixes, cmd.get("order_seed"))
@@ -231,14 +233,23 @@ def _run_phase(llm: Any, preset: Preset, config: str, cmd: dict[str, Any], expor
     _flush()
     out = {"phase": cmd["phase"], "qps": qps, "stats": stats, "records": [asdict(r) for r in records]}
     if exporter is not None:
-        spans = list(exporter.get_finished_spans())
+        # spans that began in this phase (a dump of an earlier request that ends now is not its)
+        spans = [sp for sp in exporter.get_finished_spans() if (sp.start_time or 0) >= t0_ns]
         out["spans_s"] = {k: round(v, 4) for k, v in _span_sums(spans).items()}
-        counts: dict[str, int] = {}
+        durs: dict[str, list[float]] = {}
         for sp in spans:
-            key = sp.name.removeprefix("kvfabric.")
-            counts[key] = counts.get(key, 0) + 1
-        out["span_counts"] = counts
-        _say(config, f"phase {cmd['phase']} spans: {out['spans_s']} {counts}")
+            if sp.end_time is not None and sp.start_time is not None:
+                durs.setdefault(sp.name.removeprefix("kvfabric."), []).append(
+                    (sp.end_time - sp.start_time) / 1e9
+                )
+        out["span_counts"] = {k: len(v) for k, v in durs.items()}
+        out["span_p50_s"] = {k: round(statistics.median(v), 4) for k, v in durs.items()}
+        out["span_max_s"] = {k: round(max(v), 4) for k, v in durs.items()}
+        _say(
+            config,
+            f"phase {cmd['phase']} spans: p50 {out['span_p50_s']} max {out['span_max_s']} "
+            f"n {out['span_counts']}",
+        )
     return out
 
 
