@@ -59,7 +59,9 @@ the request's root span, whose ``traceparent`` the plans carry (``plan.traces``;
 (``Transfer.seq``) is reported once the store answered for all its layers: which of its
 blocks this rank stored (``take_reports``, see ``events.py``); a dump skipped because its
 KV was computed on a failed load is reported as not stored. Tracking those needs every
-dump's statuses, so a dump is then settled even after vLLM freed its request.
+dump's statuses, so a dump is then settled even after vLLM freed its request. That
+bookkeeping (the root contexts, the tiers, the dump batches and reports) is
+``transfer_notes.py``'s; this module moves the bytes and tells it what happened.
 
 Ranks: a worker stamps its TP rank into the ids (each rank stores its own heads). MLA:
 every rank holds the same latent KV, so all use rank 0's ids and only rank 0 dumps.
@@ -71,7 +73,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -81,7 +82,6 @@ from kvfabric.platform.stream import Event
 from kvfabric.platform.types import Medium
 from kvfabric.status import wait_or_cancel
 from kvfabric.ucm_layer import hashing
-from kvfabric.ucm_layer.connector import tracing
 from kvfabric.ucm_layer.connector.config import ConnectorConfig
 from kvfabric.ucm_layer.connector.events import DumpReport
 from kvfabric.ucm_layer.connector.hybrid import group_layouts
@@ -91,6 +91,7 @@ from kvfabric.ucm_layer.connector.metrics import StatsWindow, describe_reasons, 
 from kvfabric.ucm_layer.connector.plan import StepPlan, Transfer
 from kvfabric.ucm_layer.connector.repair import LoadFailures
 from kvfabric.ucm_layer.connector.tracing import Tracer
+from kvfabric.ucm_layer.connector.transfer_notes import DumpBatch, TransferNotes
 from kvfabric.ucm_layer.delegator import Delegator, DumpOp, LoadOp
 from kvfabric.ucm_layer.kv_layout import KVLayout, layout_from_tensors
 from kvfabric.ucm_layer.store.base import BlockStatus, Store, StoreLayout
@@ -98,32 +99,6 @@ from kvfabric.ucm_layer.store.base import BlockStatus, Store, StoreLayout
 log = logging.getLogger("kvfabric.connector")
 
 StoreFactory = Callable[[StoreLayout], Store]
-
-
-@dataclass
-class _DumpBatch:
-    """One batched dump (all its layers, layer-wise) whose statuses spans and KV events
-    reports wait for: ``ok`` is the AND of its ops' per-block statuses so far."""
-
-    items: list[Transfer]
-    start_ns: int
-    ops: int  # ops (layers) still to settle
-    ok: np.ndarray
-    block_bytes: int
-    tier: str
-
-
-def _served_by(store: Store | None, ids: np.ndarray) -> str:
-    """The tier a load of ``ids`` (tagged) reads (tracing only): a pipeline's cache tier
-    when it holds every block now, its lower tier when it holds none, the pipeline's name
-    for a mix; a store's own name otherwise."""
-    if store is None:
-        return ""
-    upper, lower = getattr(store, "upper", None), getattr(store, "lower", None)
-    if upper is None or lower is None or not ids.shape[0]:
-        return store.name
-    held = int(np.count_nonzero(upper.lookup(ids)))
-    return upper.name if held == ids.shape[0] else lower.name if held == 0 else store.name
 
 
 def _raw_storage(t: Any) -> Any:
@@ -159,7 +134,6 @@ class WorkerSide:
         self._store_factory = store_factory
         self.rank, self.mla = rank, mla
         self.can_load, self.can_save = load, save and (rank == 0 or not mla)
-        self.tracer = tracer or Tracer(None)
         self._compute_done = compute_done or (lambda: None)
         self.stats = StatsWindow()
         self.layout: KVLayout | None = None
@@ -178,24 +152,37 @@ class WorkerSide:
         self._failures = LoadFailures()
         self._load_trouble = False
         self._save_trouble = False
-        self.report_dumps = report_dumps  # KV events: report numbered dumps (events.py)
-        self.dump_tier = dump_tier or cfg.store  # the tier a dump's success speaks for
-        self._reports: list[DumpReport] = []
+        self.notes = TransferNotes(tracer, rank, report_dumps, dump_tier or cfg.store)
         self._unsettled: list[DumpOp] = []  # dumps spans or reports still wait for
-        self._traces: dict[str, str] = {}  # req_id -> its root span's traceparent
-        self._load_tiers: dict[tuple[str, int], str] = {}  # async load -> tier at issue
-        self._layer_batch: _DumpBatch | None = None
-        self._noted: StepPlan | None = None
-        if self.tracer.enabled:  # the sparse backend of this process times its selections
-            from kvfabric.ucm_layer.sparse.vllm import timing
-
-            timing.enable()
         if cfg.sparse:
             log.info(
                 "kvfabric: sparse attention %r runs in kvfabric's attention backend "
                 "(budget and thresholds: additional_config['kvfabric_sparse'], docs/sparse.md)",
                 cfg.sparse,
             )
+
+    @property
+    def tracer(self) -> Tracer:
+        """The spans' tracer (``notes.tracer``)."""
+        return self.notes.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Tracer) -> None:
+        self.notes.tracer = tracer
+
+    @property
+    def report_dumps(self) -> bool:
+        """Whether numbered dumps are reported for KV events (``notes.report_dumps``)."""
+        return self.notes.report_dumps
+
+    @report_dumps.setter
+    def report_dumps(self, on: bool) -> None:
+        self.notes.report_dumps = on
+
+    @property
+    def dump_tier(self) -> str:
+        """The tier a dump's success speaks for (``notes.dump_tier``)."""
+        return self.notes.dump_tier
 
     # ------------------------------------------------------------------ setup
     def register(
@@ -287,23 +274,8 @@ class WorkerSide:
         return np.concatenate([t.ids for t in items]), np.concatenate([t.blocks for t in items])
 
     # ------------------------------------------------------------------ loads
-    @property
-    def _tracking(self) -> bool:
-        """Whether dumps' statuses feed spans or KV events reports."""
-        return self.report_dumps or self.tracer.enabled
-
-    def _note(self, plan: StepPlan) -> None:
-        """Take the plan's trace contexts (once per plan; nothing when tracing is off)."""
-        if plan is self._noted:
-            return
-        self._noted = plan
-        if plan.traces:
-            self._traces.update(plan.traces)
-            while len(self._traces) > 65536:
-                del self._traces[next(iter(self._traces))]
-
     def start_load(self, plan: StepPlan) -> None:
-        self._note(plan)
+        self.notes.note(plan)
         self._layer_loads.clear()
         self._failures.begin(plan)
         self._async.begin(plan.idle)
@@ -324,19 +296,14 @@ class WorkerSide:
                 self._layer_loads[layer] = (op, blocks, t0)
             return
         start_ns = time.time_ns()
-        tiers = None
-        if self.tracer.enabled:
-            tiers, row = [], 0
-            for t in plan.loads:
-                tiers.append(_served_by(self.store, ids[row : row + t.blocks.size]))
-                row += t.blocks.size
+        tiers = self.notes.load_tiers(self.store, ids, plan.loads)
         try:
             status = wait_or_cancel(self.delegator.load(ids, blocks), self.cfg.load_timeout_s)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
             self._load_failed(blocks, f"{type(e).__name__}: {e}")
             return
         self._load_done(blocks, status, time.perf_counter() - t0, self.delegator.layout.block_bytes)
-        self._spans(tracing.LOAD, plan.loads, status, start_ns, tiers)
+        self.notes.load_spans(plan.loads, status, start_ns, self.delegator.layout.block_bytes, tiers)
 
     def _start_async(self, t: Transfer) -> None:
         delegator = self._group_delegator(t.group)
@@ -359,9 +326,7 @@ class WorkerSide:
             self._async.ended(t.req_id)
             return
         tagged = self._tag(t.ids, t.group)
-        if self.tracer.enabled:
-            store = self.stores[t.group] if t.group < len(self.stores) else None
-            self._load_tiers[(t.req_id, t.group)] = _served_by(store, tagged)
+        self.notes.load_issued(t, self.stores[t.group] if t.group < len(self.stores) else None, tagged)
         try:
             op = delegator.load(tagged, t.blocks)
         except Exception as e:  # noqa: BLE001 - a failed load is a recompute
@@ -381,14 +346,15 @@ class WorkerSide:
 
     def _load_ended(self, end: LoadEnd) -> None:
         t = end.transfer
-        tier = self._load_tiers.pop((t.req_id, t.group), "") if self._load_tiers else ""
+        tier = self.notes.load_tier(t)
         if end.status is None:
             self._load_failed(t.blocks, end.error, req_id=t.req_id)
             return
         delegator = self._group_delegator(t.group)
         assert delegator is not None
         self._load_done(t.blocks, end.status, end.secs, delegator.layout.block_bytes, req_id=t.req_id)
-        self._spans(tracing.LOAD, [t], end.status, end.start_ns, [tier])
+        if self.delegator is not None:
+            self.notes.load_spans([t], end.status, end.start_ns, self.delegator.layout.block_bytes, [tier])
 
     def failed_loads(self) -> set[str]:
         """Several groups: requests whose asynchronous load failed in some group, reported
@@ -415,38 +381,6 @@ class WorkerSide:
         self._load_done(
             blocks, status, time.perf_counter() - t0, self.delegator.layout.layer_bytes(layer), layer
         )
-
-    def _spans(
-        self,
-        name: str,
-        items: list[Transfer],
-        status: np.ndarray | None,
-        start_ns: int,
-        tiers: list[str] | None = None,
-    ) -> None:
-        """One load span per request of a batched load, under the request's root (no-op
-        with tracing off)."""
-        if not self.tracer.enabled or self.delegator is None:
-            return
-        end_ns, row = time.time_ns(), 0
-        for i, t in enumerate(items):
-            n = int(t.blocks.size)
-            ok = n if status is None else int((status[row : row + n] == BlockStatus.OK).sum())
-            row += n
-            hit = ok * t.block_size
-            self.tracer.record(
-                name,
-                start_ns,
-                end_ns,
-                self._traces.get(t.req_id),
-                req_id=t.req_id,
-                blocks=ok,
-                bytes=ok * self.delegator.layout.block_bytes,
-                requested_tokens=t.requested_tokens,
-                hit_tokens=hit,
-                hit_rate=hit / t.requested_tokens if t.requested_tokens else 0.0,
-                store_tier=tiers[i] if tiers else "",
-            )
 
     def _load_done(
         self,
@@ -500,7 +434,7 @@ class WorkerSide:
     def save_layer(self, layer_name: str, plan: StepPlan | None) -> None:
         if not self.cfg.layerwise or plan is None or not plan.dumps or not self.can_save:
             return
-        self._note(plan)
+        self.notes.note(plan)
         layer = self._layer_index.get(layer_name)
         self._failures.begin(plan)
         items = self._failures.dumpable(plan.dumps)
@@ -514,22 +448,15 @@ class WorkerSide:
 
     def wait_for_save(self, plan: StepPlan | None) -> None:
         self._layer_dump_rows = None
-        self._layer_batch = None
+        self.notes.new_step()
         if plan is None:
             return
-        self._note(plan)
+        self.notes.note(plan)
         self._failures.begin(plan)
         items = self._failures.dumpable(plan.dumps)
-        if self.report_dumps and self.can_save and len(items) < len(plan.dumps):
-            kept = {id(t) for t in items}
-            for t in plan.dumps:  # not dumped: their KV was computed on a failed load
-                if id(t) not in kept and t.seq >= 0:
-                    self._reports.append(DumpReport(t.seq, self.rank, bytes(int(t.blocks.size))))
-        if self.tracer.enabled and plan.first_blocks:
-            self._sparse_spans(plan)
-            for r in plan.first_blocks:
-                if r not in self._dumps:  # nothing of it left to trace here
-                    self._traces.pop(r, None)
+        if self.can_save:
+            self.notes.not_dumped(plan.dumps, items)
+        self.notes.requests_done(plan, self._dumps)
         if items and self.groups and self.can_save and self.delegators:
             self._start_group_dumps(items)
         elif items and not self.cfg.layerwise and self.can_save and self.delegator is not None:
@@ -564,13 +491,19 @@ class WorkerSide:
     ) -> DumpOp | None:
         delegator = delegator or self.delegator
         assert delegator is not None
-        batch = self._dump_batch(items, blocks, layer, delegator) if self._tracking else None
+        batch = (
+            self.notes.dump_batch(
+                items, blocks, layer, delegator.layout.num_layers, delegator.layout.block_bytes
+            )
+            if self.notes.tracking
+            else None
+        )
         try:
             op = delegator.dump(ids, blocks, after=self._compute_done(), layer=layer)
         except Exception as e:  # noqa: BLE001 - a failed dump is a future miss
             self._save_failed(int(blocks.size), f"{type(e).__name__}: {e}")
             if batch is not None:
-                self._batch_settled(batch, None)
+                self.notes.batch_settled(batch, None)
             return None
         op.started = time.perf_counter()  # type: ignore[attr-defined]
         op.block_bytes = delegator.layout.block_bytes  # type: ignore[attr-defined]
@@ -581,80 +514,10 @@ class WorkerSide:
             self._dumps.setdefault(t.req_id, []).append(op)
         return op
 
-    def _dump_batch(
-        self, items: list[Transfer], blocks: np.ndarray, layer: int | None, delegator: Delegator
-    ) -> _DumpBatch:
-        """The batch a dump op settles into: a new one, or (layer-wise, after layer 0) the
-        step's batch whose other layers are in flight."""
-        if layer is not None and layer > 0 and self._layer_batch is not None:
-            return self._layer_batch
-        ops = delegator.layout.num_layers if layer is not None else 1
-        tier = self.dump_tier
-        batch = _DumpBatch(
-            items, time.time_ns(), ops, np.ones(blocks.size, bool), delegator.layout.block_bytes, tier
-        )
-        if layer is not None:
-            self._layer_batch = batch
-        return batch
-
-    def _batch_settled(self, batch: _DumpBatch, status: np.ndarray | None) -> None:
-        """One op of ``batch`` settled (``status`` None: it failed whole); once every op did,
-        the batch's dump spans and KV events reports."""
-        if status is None:
-            batch.ok[:] = False
-        else:
-            batch.ok &= status == BlockStatus.OK
-        batch.ops -= 1
-        if batch.ops > 0:
-            return
-        end_ns, row = time.time_ns(), 0
-        for t in batch.items:
-            n = int(t.blocks.size)
-            ok = batch.ok[row : row + n]
-            row += n
-            if self.report_dumps and t.seq >= 0:
-                self._reports.append(DumpReport(t.seq, self.rank, ok.astype(np.uint8).tobytes()))
-            if self.tracer.enabled:
-                good = int(np.count_nonzero(ok))
-                self.tracer.record(
-                    tracing.DUMP,
-                    batch.start_ns,
-                    end_ns,
-                    self._traces.get(t.req_id),
-                    req_id=t.req_id,
-                    blocks=good,
-                    bytes=good * batch.block_bytes,
-                    store_tier=batch.tier,
-                )
-
     def take_reports(self) -> list[DumpReport]:
         """KV events: the numbered dumps this rank's store answered for since the last call
-        (``get_kv_connector_kv_cache_events``)."""
-        out, self._reports = self._reports, []
-        return out
-
-    def _sparse_spans(self, plan: StepPlan) -> None:
-        """A ``kvfabric.sparse`` span for each finished request kvfabric's sparse backend
-        selected blocks for in this process (tracing on; ``sparse/vllm/timing.py``)."""
-        from kvfabric.ucm_layer.sparse.vllm import timing
-
-        clock = timing.clock
-        if clock is None:
-            return
-        for r, first in plan.first_blocks.items():
-            sel = clock.take(first)
-            if sel is None:
-                continue
-            self.tracer.record(
-                tracing.SPARSE,
-                sel.first_ns,
-                sel.last_ns,
-                plan.traces.get(r) or self._traces.get(r),
-                req_id=r,
-                sparse_algorithm=sel.algorithm,
-                selection_s=sel.selection_s,
-                sparse_layer_steps=sel.sparse_layer_steps,
-            )
+        (``get_kv_connector_kv_cache_events``; see ``transfer_notes.py``)."""
+        return self.notes.take_reports()
 
     def _save_failed(self, n: int, why: str) -> None:
         self.stats.add(save_failed_blocks=n)
@@ -684,7 +547,7 @@ class WorkerSide:
     def _settle(self, op: DumpOp, timeout: float | None) -> None:
         """Wait for ``op`` (at most ``timeout``: the store then cancels what is left, as
         ``TIMEOUT``) and count its blocks stored or failed, naming the store's reasons."""
-        batch: _DumpBatch | None = getattr(op, "batch", None)
+        batch: DumpBatch | None = getattr(op, "batch", None)
         if batch is not None:
             op.batch = None  # type: ignore[attr-defined]  # settles its batch once
         try:
@@ -692,10 +555,10 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - a failed dump is a future miss
             self._save_failed(op.num_blocks, f"{type(e).__name__}: {e}")
             if batch is not None:
-                self._batch_settled(batch, None)
+                self.notes.batch_settled(batch, None)
             return
         if batch is not None:
-            self._batch_settled(batch, status)
+            self.notes.batch_settled(batch, status)
         good = int((status == BlockStatus.OK).sum())
         if good < status.size:
             reasons = describe_reasons(failure_reasons(status))
@@ -742,8 +605,7 @@ class WorkerSide:
         for r in done:
             self._awaiting.discard(r)
             self._dumps.pop(r, None)
-            if self._traces:
-                self._traces.pop(r, None)
+            self.notes.forget(r)
         # requests whose last ops are all waited and not awaited any more keep nothing
         return done
 
