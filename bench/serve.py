@@ -479,7 +479,8 @@ def rows_of(cfg: Config, result: dict[str, Any], preset: Preset) -> list[dict[st
 
 
 def plot(rows: list[dict[str, Any]], out_dir: str) -> str:
-    """A PNG of TTFT p50/p90/p99 and requests/s per configuration and phase; its path."""
+    """A PNG per configuration and phase: TTFT p50/p90/p99, requests/s, and both ratios to
+    the adjacent vLLM-alone runs (the figures the load's drift does not move); its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -487,7 +488,7 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> str:
     import numpy as np
 
     phases = [p.value for p in (Phase.SATURATION, Phase.RATE)]
-    fig, axes = plt.subplots(2, len(phases), figsize=(7 * len(phases), 8), squeeze=False)
+    fig, axes = plt.subplots(3, len(phases), figsize=(7 * len(phases), 12), squeeze=False)
     for j, phase in enumerate(phases):
         ok = [r for r in rows if r["status"] == "ok" and r["phase"] == phase]
         if phase == Phase.SATURATION.value:
@@ -507,10 +508,22 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> str:
         ax.bar(x, [r["requests_per_s"] for r in ok], 0.6)
         ax.set_title(f"requests/s, phase {phase}")
         ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+        ax = axes[2][j]
+        for k, (key, lab) in enumerate(
+            (
+                ("ratio_ttft_p50_vs_vllm", "TTFT p50: vLLM / this"),
+                ("ratio_requests_per_s_vs_vllm", "req/s: this / vLLM"),
+            )
+        ):
+            ax.bar(x + (k - 0.5) * 0.4, [r.get(key) or 0.0 for r in ok], 0.4, label=lab)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"ratios to the adjacent vLLM-alone runs (> 1: better), phase {phase}")
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "serve.png")
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
