@@ -40,6 +40,7 @@ from kvfabric.pool.client.rpc import Transport
 from kvfabric.pool.gva.config import GvaConfig
 from kvfabric.pool.gva.fabric import Fabric, FabricState
 from kvfabric.pool.gva.rendezvous import store_options
+from kvfabric.pool.status import Status
 from kvfabric.pool.table import TableRetired, TableView, attach
 from kvfabric.pool.windows import FixedStride
 
@@ -317,7 +318,14 @@ class Session:
         if items:
             keys = [k for k, _ in items]
             gv, sz, gn, sm = zip(*(v for _, v in items))
-            self.transport.call(p.Reregister(keys, list(gv), list(sz), list(gn), list(sm)))
+            reply = self.transport.call(p.Reregister(keys, list(gv), list(sz), list(gn), list(sm)))
+            # what the service refused (its extent went to another object, another entry
+            # holds the key, no room) is no longer ours to name: kept, a later restart
+            # would re-register it over whatever then lies in that extent
+            refused = [k for k, st in zip(keys, reply.status) if st != Status.OK]
+            if refused:
+                log.warning("pool meta service refused %d re-registered object(s); forgotten", len(refused))
+                self.owned.forget(refused)
         self._attach(info)
 
     # ------------------------------------------------------------------ lifecycle

@@ -106,12 +106,6 @@ def test_a_late_reregistration_over_reused_space_is_refused(tmp_path, isolated_s
     assert segments(isolated_shm) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the client keeps an object the service refused in its owned table "
-    "(pool/client/session.py _on_restart ignores the Reregister statuses), so the next restart "
-    "re-registers it over the extent once that is free again, holding the other object's bytes",
-)
 def test_a_refused_object_is_not_reregistered_at_the_next_restart(tmp_path, isolated_shm):
     with reused_space(tmp_path) as r:
         assert r.status == [Status.INVALID]
