@@ -30,9 +30,9 @@ batched (``sparse.paged.PagedSelector``: every block-sparse algorithm without
     loop over requests, heads or blocks), reused for ``reuse_steps`` steps (default in the
     engine :data:`ENGINE_REUSE_STEPS`). A later chunk of a prompt (vLLM's chunked prefill
     gives a prompt scheduled behind another one a first chunk of the step's leftover
-    tokens, often a few dozen) fits the request's summaries again on the whole prompt so
+    tokens, a few hundred or fewer) fits the request's summaries again on the whole prompt so
     far, read from the cache, and that chunk's queries (``prompt_chunks``); fitting on the
-    first chunk alone left GSA's basis to a few dozen keys. The summaries are keyed by
+    first chunk alone left GSA's basis to those few keys. The summaries are keyed by
     physical block; before a step, every block a continuing row's state has seen must
     still be owned by that state (``owner``, one gather per step), or the row runs dense
     and the state is dropped (``identity_mismatch``).
