@@ -15,7 +15,9 @@ from ``kvfabric bench ... --json`` rows (docs/sim.md).
 * ``sweep.py``      one capacity varied, the smallest sizing reaching a target, the plot
 * ``calibrate.py``  a Calibration from bench JSON rows
 * ``validate.py``   predicted against measured on a CPU vLLM engine with the connector
+                    (its own trace, or ``kvfabric bench serve``'s workload)
 
 Imports the pool's service-side allocator and eviction policy, ucm_layer's hashing and,
-only inside ``validate``, the harness's engine; nothing imports this package.
+only inside ``validate``, the harness's engine and ``bench/serve_workload.py`` /
+``bench/serve_worker.py`` (the serve workload, read, not changed); nothing imports this package.
 """

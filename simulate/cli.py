@@ -5,8 +5,9 @@
   (``--set``, ``--syn``, ``--cal`` set single keys of the cluster, the synthetic trace and
   the calibration over their files);
 * ``kvfabric sim calibrate BENCH.jsonl... [--cal KEY=VALUE] -o calibration.yaml``;
-* ``kvfabric sim validate [--quick] [--json] [--out DIR]``: predicted against measured on
-  a CPU vLLM engine (``validate.py``).
+* ``kvfabric sim validate [--quick] [--workload trace|serve] [--json] [--out DIR]``:
+  predicted against measured on a CPU vLLM engine (``validate.py``; ``serve``: the
+  workload of ``kvfabric bench serve``).
 
 A bad key or value exits with status 2 and one line naming it (``kvfabric.cli``).
 """
@@ -48,6 +49,12 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--plot", metavar="DIR", help="sweep: write the PNG plot into DIR")
     s.add_argument("--json", action="store_true", help="one JSON object per line")
     s.add_argument("--quick", action="store_true", help="validate: the small trace")
+    s.add_argument(
+        "--workload",
+        choices=("trace", "serve"),
+        default="trace",
+        help="validate: its own trace, one request at a time (default), or bench serve's workload",
+    )
     s.add_argument("--out", "-o", default=None, help="calibrate: the YAML to write; validate: a directory")
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     s.set_defaults(fn=main)
@@ -177,7 +184,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from kvfabric.simulate import validate
 
-    rows = list(validate.run(quick=args.quick, out_dir=args.out))
+    go = validate.run_serve if args.workload == "serve" else validate.run
+    rows = list(go(quick=args.quick, out_dir=args.out))
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -1,13 +1,15 @@
 """``kvfabric sim validate``: the simulator's prediction against a real vLLM engine.
 
 Contract: :func:`run` starts one CPU vLLM engine with kvfabric's connector the way ``kvfabric
-bench e2e`` does (``harness/engine.py``'s ``make_engine``, SmolLM2-135M, 32-token
+bench e2e`` does (``harness/engine.py``'s ``make_engine``, SmolLM2-135M unless given another model, 32-token
 blocks, vLLM's own prefix cache off), on the ``pool`` store alone with an embedded pool
 small enough that the trace makes it evict, and sends it, one request at a time:
 
 1. a warm-up request, then the trace: prompts that share one of a few prefixes (Zipf
    popularity) and add a suffix of their own. After each request it waits for the
-   request's dumps, so the pool holds what the simulator's first-token store step assumes;
+   request's dumps, so the pool holds what the simulator's first-token store step assumes,
+   and then for the pool's next recency tick, so the next request's blocks are stamped
+   later (the replay's order; within one 0.1 s tick the pool's order is its slots');
 2. spread over the trace (so they see the machine as the trace does, on a machine shared
    with other work), calibration probes: prompts of several lengths, each sent cold and
    at once again warm (loaded from the pool), and at the end one decode of 16 tokens.
@@ -70,18 +72,31 @@ class Plan:
 
 
 QUICK = Plan(requests=24, prefixes=5, prefix_tokens=520, suffix_lo=40, suffix_hi=260, pool_blocks=96)
-FULL = Plan(requests=96, prefixes=10, prefix_tokens=900, suffix_lo=40, suffix_hi=400, pool_blocks=200)
+FULL = Plan(requests=48, prefixes=8, prefix_tokens=768, suffix_lo=40, suffix_hi=320, pool_blocks=160)
 
 
-def _prompts(plan: Plan) -> list[list[int]]:
+TOKEN_LOW, TOKEN_HIGH = 100, 40000  #: token ids drawn: above special tokens, inside SmolLM2's vocabulary
+
+
+def token_high(model: str | os.PathLike[str]) -> int:
+    """The bound of the token ids drawn for ``model``: TOKEN_HIGH, or its vocabulary size
+    when smaller (the tiny model's 512)."""
+    with open(Path(model) / "config.json") as f:
+        vocab = int(json.load(f)["vocab_size"])
+    if vocab <= TOKEN_LOW + 1:
+        raise ValueError(f"{model}: a vocabulary of {vocab} tokens leaves no ids above {TOKEN_LOW}")
+    return min(TOKEN_HIGH, vocab)
+
+
+def _prompts(plan: Plan, high: int = TOKEN_HIGH) -> list[list[int]]:
     rng = np.random.default_rng(plan.seed)
-    prefixes = [rng.integers(100, 40000, plan.prefix_tokens).tolist() for _ in range(plan.prefixes)]
+    prefixes = [rng.integers(TOKEN_LOW, high, plan.prefix_tokens).tolist() for _ in range(plan.prefixes)]
     w = np.arange(1, plan.prefixes + 1, dtype=float) ** -plan.zipf_s
     which = rng.choice(plan.prefixes, plan.requests, p=w / w.sum())
     out = []
     for p in which:
         n = int(rng.integers(plan.suffix_lo, plan.suffix_hi + 1))
-        out.append(prefixes[int(p)] + rng.integers(100, 40000, n).tolist())
+        out.append(prefixes[int(p)] + rng.integers(TOKEN_LOW, high, n).tolist())
     return out
 
 
@@ -98,23 +113,101 @@ def _memcpy_gbps(nbytes: int = 256 << 20) -> float:
     return nbytes / best / 1e9
 
 
-def run(quick: bool = True, out_dir: str | os.PathLike[str] | None = None) -> Iterator[dict[str, Any]]:
-    """Measure, replay and compare (module docstring); yields the rows."""
+def _calibration(
+    cold: dict[int, list[float]],
+    warm: list[tuple[int, int, float]],
+    block_bytes: int,
+    decode_tps: float,
+    model: str,
+) -> tuple[Calibration, float]:
+    """This run's calibration from its probes (``cold``: TTFTs per prompt length; ``warm``:
+    (prompt tokens, loaded blocks, TTFT)) and the memcpy rate it charges loads at."""
+    base, tps, attn = fit_prefill([(n, 0, statistics.median(v)) for n, v in cold.items() if v])
+    cal0 = Calibration(
+        prefill_tokens_per_s=tps, decode_tokens_per_s=decode_tps, dram_load_gbps=1.0,
+        prefill_base_s=base, prefill_attn_s=attn,
+    )  # fmt: skip
+    loads = [(k * block_bytes, t - cal0.prefill_s(n - k * BLOCK, k * BLOCK)) for n, k, t in warm if k]
+    if not loads:
+        raise RuntimeError("no warm calibration probe loaded a block from the pool")
+    # a load of tens of MB is a few ms at memory speed, below what TTFTs of whole engine
+    # steps resolve: the bytes go at this machine's memcpy rate, and what the warm probes
+    # took beyond that and their prefill is the fixed cost of a loading request (the
+    # engine steps an asynchronous load adds)
+    gbps = _memcpy_gbps()
+    fixed_s = max(0.0, statistics.median(dt - nb / (gbps * 1e9) for nb, dt in loads))
+    cal = Calibration(
+        prefill_tokens_per_s=tps,
+        decode_tokens_per_s=decode_tps,
+        dram_load_gbps=gbps,
+        load_fixed_s=fixed_s,
+        prefill_base_s=base,
+        prefill_attn_s=attn,
+        source=f"kvfabric sim validate: {Path(model).name}, CPU vLLM, embedded pool, this run",
+    )
+    return cal, gbps
+
+
+def _write_out(
+    out_dir: str | os.PathLike[str],
+    name: str,
+    lines: list[dict[str, Any]],
+    cal: Calibration,
+    cluster: ClusterConfig,
+) -> None:
+    """The run's trace (``<name>-trace.jsonl``, token ids, replayable by ``kvfabric sim
+    --trace``), its calibration (``calibration.yaml``) and cluster (``<name>-cluster.yaml``)."""
+    import yaml
+
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"{name}-trace.jsonl", "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+    save_calibration(cal, d / "calibration.yaml")
+    with open(d / f"{name}-cluster.yaml", "w") as f:
+        yaml.safe_dump({k: v for k, v in cluster.as_mapping().items() if k != "price"}, f, sort_keys=False)
+
+
+def _next_tick() -> None:
+    """Sleep into the pool's next recency tick (``pool/table.py``'s ``now_ticks``, 0.1 s):
+    the blocks the next request touches or stores are then stamped later than this one's,
+    as the replay orders them, also when requests take less than a tick (the tiny model)."""
+    from kvfabric.pool.table import now_ticks
+
+    t = now_ticks()
+    while now_ticks() == t:
+        time.sleep(0.005)
+
+
+def run(
+    quick: bool = True,
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    plan: Plan | None = None,
+    model: str | os.PathLike[str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Measure, replay and compare (module docstring); yields the rows. ``plan`` (default
+    :data:`QUICK` or :data:`FULL` by ``quick``) and ``model`` (a model directory; default
+    SmolLM2-135M) replace the presets, e.g. a smaller trace on the tiny model for a test."""
+    from kvfabric.bench.serve_worker import kv_bytes_per_token
     from kvfabric.harness.engine import kvfabric_transfer_config, make_engine, vllm_problem
     from kvfabric.harness.models import smollm2
 
     problem = vllm_problem()
     if problem:
         raise ImportError(f"kvfabric sim validate needs vLLM: {problem}")
-    plan = QUICK if quick else FULL
-    model = smollm2()
+    if plan is None:
+        plan = QUICK if quick else FULL
+    model = str(smollm2() if model is None else model)
+    high = token_high(model)
     rng = np.random.default_rng(plan.seed + 1)
     seq: list[tuple[list[int], int]] = []  # every request the engine saw: (prompt, output tokens)
     measured: list[tuple[float, int, int]] = []  # trace requests: (ttft, loaded, claimable)
 
-    # the pool is sized before the engine starts, in blocks of the layout bench e2e uses for
-    # SmolLM2 on CPU; the bytes per block the connector actually stores are read back below
-    block_bytes = 30 * 48 * 1024  # SmolLM2 CPU pages: 30 layers x 48 KiB (bench/e2e.py LAYOUTS)
+    # the pool is sized before the engine starts, in blocks of the model's float32 KV (K and V
+    # of every layer); the bytes per block the connector actually stores are read back below
+    block_bytes = kv_bytes_per_token(model) * BLOCK
     pool_bytes = plan.pool_blocks * block_bytes
     transfer = kvfabric_transfer_config(
         "pool", pool_bytes=pool_bytes, store_options={"pool.name": "kvf-sim-validate"}
@@ -132,11 +225,12 @@ def run(quick: bool = True, out_dir: str | os.PathLike[str] | None = None) -> It
             eng.generate([prompt], max_tokens=out)
             dt = time.perf_counter() - t0
             eng.flush()
+            _next_tick()
             seq.append((prompt, out))
             return dt, w.stats.totals["loaded_blocks"] - before
 
-        send(rng.integers(100, 40000, 64).tolist())  # warm-up: one-time costs
-        trace = _prompts(plan)
+        send(rng.integers(TOKEN_LOW, high, 64).tolist())  # warm-up: one-time costs
+        trace = _prompts(plan, high)
         probes = [n for n in plan.calib_lengths for _ in range(plan.probe_rounds)]
         every = max(1, len(trace) // len(probes))
         cold: dict[int, list[float]] = {n: [] for n in plan.calib_lengths}
@@ -145,7 +239,7 @@ def run(quick: bool = True, out_dir: str | os.PathLike[str] | None = None) -> It
         for i, prompt in enumerate(trace):
             if i % every == 0 and probes:  # a calibration probe: cold, then at once warm
                 n = probes.pop(0)
-                p = rng.integers(100, 40000, n).tolist()
+                p = rng.integers(TOKEN_LOW, high, n).tolist()
                 cold[n].append(send(p)[0])
                 t, loaded = send(p)
                 warm.append((n, loaded, t))
@@ -158,29 +252,7 @@ def run(quick: bool = True, out_dir: str | os.PathLike[str] | None = None) -> It
         t1 = send(p, 1)[0]
         t17 = send(p, 17)[0]
         decode_tps = 16 / max(t17 - t1, 1e-6)
-        base, tps, attn = fit_prefill([(n, 0, statistics.median(v)) for n, v in cold.items() if v])
-        cal0 = Calibration(
-            prefill_tokens_per_s=tps, decode_tokens_per_s=decode_tps, dram_load_gbps=1.0,
-            prefill_base_s=base, prefill_attn_s=attn,
-        )  # fmt: skip
-        loads = [(k * block_bytes, t - cal0.prefill_s(n - k * BLOCK, k * BLOCK)) for n, k, t in warm if k]
-        if not loads:
-            raise RuntimeError("no warm calibration probe loaded a block from the pool")
-        # a load of tens of MB is a few ms at memory speed, below what TTFTs of whole engine
-        # steps resolve: the bytes go at this machine's memcpy rate, and what the warm probes
-        # took beyond that and their prefill is the fixed cost of a loading request (the
-        # engine steps an asynchronous load adds)
-        gbps = _memcpy_gbps()
-        fixed_s = max(0.0, statistics.median(dt - nb / (gbps * 1e9) for nb, dt in loads))
-        cal = Calibration(
-            prefill_tokens_per_s=tps,
-            decode_tokens_per_s=decode_tps,
-            dram_load_gbps=gbps,
-            load_fixed_s=fixed_s,
-            prefill_base_s=base,
-            prefill_attn_s=attn,
-            source="kvfabric sim validate: SmolLM2-135M, CPU vLLM, embedded pool, this run",
-        )
+        cal, gbps = _calibration(cold, warm, block_bytes, decode_tps, model)
     finally:
         eng.close()
     engine_s = time.perf_counter() - t_start
@@ -212,18 +284,8 @@ def run(quick: bool = True, out_dir: str | os.PathLike[str] | None = None) -> It
     m_ttft = statistics.median(t for t, _, _ in measured)
     rel = abs(p_ttft - m_ttft) / m_ttft
     if out_dir is not None:
-        d = Path(out_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        with open(d / "validate-trace.jsonl", "w") as f:
-            for i, (p, o) in enumerate(seq):
-                f.write(json.dumps({"arrival_s": 1000.0 * i, "tokens": p, "output_tokens": o}) + "\n")
-        save_calibration(cal, d / "calibration.yaml")
-        import yaml
-
-        with open(d / "validate-cluster.yaml", "w") as f:
-            yaml.safe_dump(
-                {k: v for k, v in cluster.as_mapping().items() if k != "price"}, f, sort_keys=False
-            )
+        lines = [{"arrival_s": r.arrival_s, "tokens": p, "output_tokens": o} for r, (p, o) in zip(reqs, seq)]
+        _write_out(out_dir, "validate", lines, cal, cluster)
     yield {
         "case": "validate",
         "quick": quick,
@@ -254,4 +316,155 @@ def run(quick: bool = True, out_dir: str | os.PathLike[str] | None = None) -> It
     }
 
 
-__all__ = ["FULL", "QUICK", "Plan", "run"]
+SERVE_SEED = 505  #: seed of the serve workload's prompts and arrivals here (bench serve's are its own)
+
+
+def run_serve(
+    quick: bool = True,
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    model: str | os.PathLike[str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """``kvfabric sim validate --workload serve``: ``kvfabric bench serve``'s workload
+    (``bench/serve_workload.py``: its preset, quick or full, and its generator: shared
+    prefixes, each reused by ``requests_per_prefix`` requests with questions of their own,
+    in a seeded order, Poisson arrivals at an exact rate), served the way the bench serves a
+    phase (``bench/serve_worker.py``'s ``serve_phase``: requests added at their arrival
+    times, the engine stepped, so requests overlap and vLLM batches them), then replayed.
+
+    One engine as :func:`run` starts it (vLLM's prefix cache off, the ``pool`` store alone,
+    an embedded pool of the bench daemon's size, four working sets: no eviction). Just
+    before the workload, one request at a time: a warm-up and calibration probes (cold and
+    at once warm, ``probe_rounds`` per length, lengths up to a workload prompt's) and the
+    decode probe; the offered rate is the preset's ``rate_fraction`` of the rate at which
+    this calibration serves cold requests back to back (the bench takes it of vLLM alone's
+    measured saturation rate). Hit rate is in prompt tokens, as the bench reports it:
+    ``num_cached_tokens`` (all the connector's, vLLM's cache being off) over prompt tokens,
+    and the replay's hit blocks times the block size over the same. Rows: ``validate`` with
+    ``workload: serve`` and ``calibration``; ``out_dir`` as in :func:`run` (``serve-*``)."""
+    from kvfabric.bench.serve_worker import kv_bytes_per_token, serve_phase
+    from kvfabric.bench.serve_workload import FULL as SERVE_FULL
+    from kvfabric.bench.serve_workload import QUICK as SERVE_QUICK
+    from kvfabric.bench.serve_workload import make_workload
+    from kvfabric.harness.engine import kvfabric_transfer_config, make_engine, vllm_problem
+    from kvfabric.harness.models import smollm2
+
+    problem = vllm_problem()
+    if problem:
+        raise ImportError(f"kvfabric sim validate needs vLLM: {problem}")
+    preset = SERVE_QUICK if quick else SERVE_FULL
+    model = str(smollm2() if model is None else model)
+    high = token_high(model)
+    bpt = kv_bytes_per_token(model)
+    block_bytes = bpt * BLOCK
+    prompt_len = preset.prefix_tokens + preset.question_tokens
+    lengths = sorted({max(BLOCK + 1, prompt_len // 4), prompt_len // 2, prompt_len})
+    rounds = 3
+    pool_bytes = 4 * preset.working_set_tokens * bpt + rounds * sum(lengths) * bpt
+    transfer = kvfabric_transfer_config(
+        "pool", pool_bytes=pool_bytes, store_options={"pool.name": "kvf-sim-validate-serve"}
+    )
+    rng = np.random.default_rng(SERVE_SEED)
+    seq: list[tuple[list[int], int, float | None]] = []  # (prompt, output tokens, arrival offset)
+    t_start = time.perf_counter()
+    eng = make_engine(model, transfer, kv_bytes=512 << 20, max_model_len=max(4096, preset.max_model_len))
+    try:
+        w = eng.worker()
+        if w is None:
+            raise RuntimeError("the engine's kvfabric worker connector is not in this process")
+
+        def send(prompt: list[int], out: int = 1) -> tuple[float, int]:
+            before = w.stats.totals["loaded_blocks"]
+            t0 = time.perf_counter()
+            eng.generate([prompt], max_tokens=out)
+            dt = time.perf_counter() - t0
+            eng.flush()
+            _next_tick()
+            seq.append((prompt, out, None))
+            return dt, w.stats.totals["loaded_blocks"] - before
+
+        send(rng.integers(TOKEN_LOW, high, 64).tolist())  # warm-up: one-time costs
+        cold: dict[int, list[float]] = {n: [] for n in lengths}
+        warm: list[tuple[int, int, float]] = []
+        for _ in range(rounds):
+            for n in lengths:
+                p = rng.integers(TOKEN_LOW, high, n).tolist()
+                cold[n].append(send(p)[0])
+                t, loaded = send(p)
+                warm.append((n, loaded, t))
+        t1 = send(p, 1)[0]
+        t17 = send(p, 17)[0]
+        cal, gbps = _calibration(cold, warm, block_bytes, 16 / max(t17 - t1, 1e-6), model)
+        cold_s = cal.prefill_s(prompt_len, 0) + preset.output_tokens / cal.decode_tokens_per_s
+        qps = preset.rate_fraction / cold_s
+        work = make_workload(preset, SERVE_SEED, qps)
+        if any(max(r.prompt) >= high for r in work):
+            raise ValueError(f"{model}: the serve workload's token ids exceed its vocabulary ({high})")
+        records, wall = serve_phase(eng.llm, work, preset.output_tokens)
+        eng.flush()
+        seq += [(list(r.prompt), preset.output_tokens, r.arrival_s) for r in work]
+    finally:
+        eng.close()
+    engine_s = time.perf_counter() - t_start
+
+    cluster = ClusterConfig(
+        nodes=1, engines_per_node=1, block_tokens=BLOCK, kv_bytes_per_token=bpt,
+        hbm_bytes=0, dram_bytes=pool_bytes, ssd_bytes=0, routing=Routing.ROUND_ROBIN,
+    )  # fmt: skip
+    t_work = 1000.0 * (len(seq) + 1)  # the workload starts long after the probes
+    arrivals = [1000.0 * i if a is None else t_work + a for i, (_, _, a) in enumerate(seq)]
+    reqs = [
+        parse_line({"arrival_s": t, "tokens": p, "output_tokens": o}, f"request {i}", BLOCK, None)
+        for i, (t, (p, o, _)) in enumerate(zip(arrivals, seq))
+    ]
+    first: dict[int, tuple[float, int]] = {}
+
+    def record(req: Request, ttft: float, hit: int, claim: int) -> None:
+        first[id(req)] = (ttft, hit)
+
+    rep = simulate(cluster, cal, reqs, on_first_token=record)
+    pred = [first[id(r)] for r in reqs[len(reqs) - len(work) :]]
+    prompt_tokens = sum(r.prompt_tokens for r in records)
+    p_hit = sum(h * BLOCK for _, h in pred) / prompt_tokens
+    m_hit = sum(r.cached_tokens for r in records) / prompt_tokens
+    p_ttft = statistics.median(t for t, _ in pred)
+    m_ttft = statistics.median(r.ttft_s for r in records)
+    rel = abs(p_ttft - m_ttft) / m_ttft
+    if out_dir is not None:
+        lines = [{"arrival_s": t, "tokens": p, "output_tokens": o} for t, (p, o, _) in zip(arrivals, seq)]
+        _write_out(out_dir, "serve", lines, cal, cluster)
+    yield {
+        "case": "validate",
+        "workload": "serve",
+        "preset": preset.name,
+        "quick": quick,
+        "requests": len(records),
+        "qps": round(qps, 4),
+        "predicted_hit_rate": round(p_hit, 4),
+        "measured_hit_rate": round(m_hit, 4),
+        "hit_rate_diff_points": round(100 * (p_hit - m_hit), 2),
+        "predicted_ttft_p50_s": round(p_ttft, 4),
+        "measured_ttft_p50_s": round(m_ttft, 4),
+        "ttft_p50_rel_error": round(rel, 3),
+        "predicted_ttft_p99_s": round(float(np.percentile([t for t, _ in pred], 99)), 4),
+        "measured_ttft_p99_s": round(float(np.percentile([r.ttft_s for r in records], 99)), 4),
+        "hit_within_5_points": abs(p_hit - m_hit) <= HIT_POINTS,
+        "ttft_within_25_percent": rel <= TTFT_REL,
+        "measured_wall_s": round(wall, 3),
+        "pool_bytes": pool_bytes,
+        "block_bytes": block_bytes,
+        "predicted_evictions": rep.evictions["dram"],
+        "engine_s": round(engine_s, 1),
+        "probes_cold_s": {str(n): [round(t, 3) for t in v] for n, v in cold.items()},
+        "probes_warm": [[n, k, round(t, 3)] for n, k, t in warm],
+        "memcpy_gbps": round(gbps, 2),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "ncpu": os.cpu_count(),
+    }
+    yield {
+        "case": "calibration",
+        **{k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(cal).items()},
+    }
+
+
+__all__ = ["FULL", "QUICK", "SERVE_SEED", "Plan", "run", "run_serve"]
