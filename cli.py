@@ -82,7 +82,7 @@ def _bytes(n: int | None) -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvfabric.demo import run_demo
 
-    return run_demo(platform=args.platform)
+    return run_demo(platform=args.platform, quick=args.quick)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -181,7 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="detected platform, devices, optional dependencies").set_defaults(fn=cmd_info)
-    sub.add_parser("demo", help="run the stack end to end on the embedded default").set_defaults(fn=cmd_demo)
+    d = sub.add_parser("demo", help="run the stack end to end on the embedded default")
+    d.add_argument(
+        "--quick",
+        action="store_true",
+        help="the same steps and checks on less memory and the tiny random Llama",
+    )
+    d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="run a benchmark from bench/")
     b.add_argument(
         "name",

@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct when it can be fetched (else a tiny random Llama), the CPU
 of vLLM, kvfabric's default store in a temporary directory. The same prompt runs twice
 with vLLM's own prefix cache off: the first time it is computed (and stored), the second
 time its prefix is loaded through kvfabric; the first generated token must match.
+``quick``: the tiny random Llama with a 256-token prompt (the same steps and checks).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from rich.markup import escape
 from rich.table import Table
 
 PROMPT_TOKENS = 1024
+QUICK_PROMPT_TOKENS = 256
 
 
-def run_connector_demo(con: Any) -> bool:
+def run_connector_demo(con: Any, quick: bool = False) -> bool:
     """Print the connector's figures; True when the run was correct (or vLLM is absent)."""
     from kvfabric.harness.engine import kvfabric_transfer_config, make_engine, vllm_problem
     from kvfabric.harness.models import ModelUnavailable, smollm2, tiny_llama
@@ -30,14 +32,18 @@ def run_connector_demo(con: Any) -> bool:
         con.print(f"[yellow]vLLM part skipped[/]: {escape(problem)}")
         return True
     try:
-        model, name, vocab = smollm2(), "SmolLM2-135M-Instruct", 49152
+        if quick:
+            model, name, vocab = tiny_llama(), "tiny random Llama", 512
+        else:
+            model, name, vocab = smollm2(), "SmolLM2-135M-Instruct", 49152
     except ModelUnavailable as e:
         con.print(f"[yellow]SmolLM2 unavailable ({escape(str(e))}); using a tiny random Llama[/]")
         model, name, vocab = tiny_llama(), "tiny random Llama", 512
     store = default_store()
     tmp = tempfile.mkdtemp(prefix="kvf-demo-")
     con.print(f"vLLM engine on CPU with kvfabric ({store}, files in {tmp}), model {name} ...")
-    prompt = np.random.default_rng(1).integers(3, vocab, PROMPT_TOKENS).tolist()
+    n = QUICK_PROMPT_TOKENS if quick else PROMPT_TOKENS
+    prompt = np.random.default_rng(1).integers(3, vocab, n).tolist()
     try:
         cfg = kvfabric_transfer_config(store, tmp, cache_bytes="256MiB", pool_bytes="256MiB")
         eng = make_engine(model, cfg, kv_bytes=256 << 20, max_model_len=4096)
