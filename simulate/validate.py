@@ -169,6 +169,18 @@ def _write_out(
         yaml.safe_dump({k: v for k, v in cluster.as_mapping().items() if k != "price"}, f, sort_keys=False)
 
 
+def _one_request(eng: Any, w: Any, prompt: list[int], out: int) -> tuple[float, int]:
+    """Serve ``prompt`` alone on ``eng`` (``out`` tokens), wait for its dumps and the pool's
+    next tick: its wall time to the end and the blocks the connector ``w`` loaded for it."""
+    before = w.stats.totals["loaded_blocks"]
+    t0 = time.perf_counter()
+    eng.generate([prompt], max_tokens=out)
+    dt = time.perf_counter() - t0
+    eng.flush()
+    _next_tick()
+    return dt, w.stats.totals["loaded_blocks"] - before
+
+
 def _next_tick() -> None:
     """Sleep into the pool's next recency tick (``pool/table.py``'s ``now_ticks``, 0.1 s):
     the blocks the next request touches or stores are then stamped later than this one's,
@@ -220,14 +232,8 @@ def run(
             raise RuntimeError("the engine's kvfabric worker connector is not in this process")
 
         def send(prompt: list[int], out: int = 1) -> tuple[float, int]:
-            before = w.stats.totals["loaded_blocks"]
-            t0 = time.perf_counter()
-            eng.generate([prompt], max_tokens=out)
-            dt = time.perf_counter() - t0
-            eng.flush()
-            _next_tick()
             seq.append((prompt, out))
-            return dt, w.stats.totals["loaded_blocks"] - before
+            return _one_request(eng, w, prompt, out)
 
         send(rng.integers(TOKEN_LOW, high, 64).tolist())  # warm-up: one-time costs
         trace = _prompts(plan, high)
@@ -374,14 +380,8 @@ def run_serve(
             raise RuntimeError("the engine's kvfabric worker connector is not in this process")
 
         def send(prompt: list[int], out: int = 1) -> tuple[float, int]:
-            before = w.stats.totals["loaded_blocks"]
-            t0 = time.perf_counter()
-            eng.generate([prompt], max_tokens=out)
-            dt = time.perf_counter() - t0
-            eng.flush()
-            _next_tick()
             seq.append((prompt, out, None))
-            return dt, w.stats.totals["loaded_blocks"] - before
+            return _one_request(eng, w, prompt, out)
 
         send(rng.integers(TOKEN_LOW, high, 64).tolist())  # warm-up: one-time costs
         cold: dict[int, list[float]] = {n: [] for n in lengths}
