@@ -16,7 +16,8 @@ Every engine serves groups of prompts at once through ``LLMEngine.step()`` (:fun
 each step timed: the steps in which every request of a group decodes give the step time
 at the group's batch, and the last request, given ``tail`` more tokens, decodes alone at
 the end: its steps give batch 1. Dense (the stock backend) and each method serve the same
-groups, after one untimed warm-up group of short prompts (first calls of each batch shape).
+groups, after one untimed warm-up group of short prompts (first calls of each batch shape)
+and the same short group again, timed (``dense_short_step_ms``).
 
 Rows (every one has ``engine, model, context, budget, batch, method, default, step_ms,
 dense_step_ms, speedup_vs_dense, answers_match_dense, passkeys_lost, kl_mean, kl_max``;
@@ -39,7 +40,7 @@ fields a case does not measure are None; ``context`` is the group's mean prompt 
 * ``case: "speed"``: ``step_ms`` / ``dense_step_ms`` (medians; ``step_ms_mean`` /
   ``dense_step_ms_mean`` the means) at the group's batch and at batch 1, ``reuse_steps``
   (how many steps a layer's selection was kept), ``dense_short_step_ms`` (the stock
-  engine's step at the group's batch over 256-token prompts, the warm-up group: what a step
+  engine's step at the group's batch over 256-token prompts, after the warm-up: what a step
   costs besides long-context attention, so ``dense_step_ms / dense_short_step_ms`` bounds
   any attention speed-up), for SmolLM2's groups (budget 1,024) and 8 random-token prompts of
   ``TINY_CONTEXT`` tokens on the random-weight tiny Llama (budget 2,048). Compute saved is
@@ -296,7 +297,7 @@ class Served:
     batch_s: tuple[float, ...]
     solo_s: tuple[float, ...]
     stats: dict[str, int]
-    floor_s: tuple[float, ...] = ()  # the same engine's steps at a short context (warm-up)
+    floor_s: tuple[float, ...] = ()  # the same engine's steps at a short context
     floor_solo_s: tuple[float, ...] = ()  # ... and at batch 1
 
 
@@ -453,9 +454,11 @@ def _serve_all(groups: Sequence[Group], method: str | None, new: int, tail: int,
     with _Sparse(method, groups[0].budget, stats):
         eng = _engine(model, kv, max_len)
         try:
-            # first calls of each batch shape; its steps (256 tokens) give the engine's step
-            # time without long attention, the floor any attention speed-up works against
+            # first calls of each batch shape (untimed), then the same short group again: its
+            # steps (256 tokens) give the engine's step time without long attention, the
+            # floor any attention speed-up works against
             warm = [[1 + i % 100 for i in range(256)]] * batch
+            serve(eng, warm, 4, 2, stats)
             floor = serve(eng, warm, 4, 4, stats)
             _say(f"  short-context steps (ms): batch {[round(t * 1e3, 1) for t in floor.batch_s]}")
             out = []
