@@ -6,9 +6,10 @@ with their own questions, in a seeded random order; two phases: ``saturation`` (
 request at once) and ``rate`` (Poisson arrivals at ``rate_fraction`` of vLLM-alone's
 measured saturation requests/s, the median of its runs, the same QPS for every
 configuration). Every run of a phase serves prefixes of its own (seeded by its slot), so
-no store holds them beforehand. vLLM's KV cache is ``kv_cache_tokens`` (its own prefix
-cache lives in it), below a phase's working set, so what an external tier holds is what
-it adds.
+no store holds them beforehand, in the same order at the same arrival times (one order seed
+per phase), so every configuration sees the same reuse pattern. vLLM's KV cache is
+``kv_cache_tokens`` (its own prefix cache lives in it), below a phase's working set, so
+what an external tier holds is what it adds.
 
 Configurations, each an engine in its own process (``bench/serve_worker.py``) that lives
 for the whole run; all are started at once, then they take turns, one engine serving at a
@@ -19,7 +20,9 @@ time (a crash or a timeout becomes a row with the error):
   ``SimpleCPUOffloadConnector`` (vLLM's CPU offloading), ``LMCacheConnectorV1``,
   ``MooncakeStoreConnector`` (against a Mooncake metadata server and master this
   benchmark starts on 127.0.0.1, when the ``mooncake`` package is installed); one that
-  cannot start here is a row with ``status: error`` and the reason;
+  cannot start here is a row with ``status: error`` and the reason (under ``--quick`` the
+  two whose refusal is a platform condition, ``Config.refusal``, are checked in this
+  process instead of starting an engine);
 * ``kvfabric cache|pool``: a process-local cache tier above a pool daemon this benchmark
   starts (``kvfabric pool serve``); this engine also measures the warm single-request floor
   at the end (row ``phase: warm_single``: ``ttft_floor_s``, ``ratio_warm_ttft_vs_floor``
@@ -37,7 +40,8 @@ runs and lists each run's figures.
 
 ``KVFABRIC_BENCH_SERVE_CONFIGS`` (names separated by ``;``) runs a subset next to vLLM
 alone; it may also name the variants of :func:`variants` (kvfabric with one setting
-changed: a synchronous load, the pool or the cache tier alone).
+changed: a synchronous load, the Delegator's gather, the pipeline's write-behind, the pool
+or the cache tier alone).
 
 Before the engines start, the run waits while another vLLM engine runs on the machine (a
 process named ``EngineCore``, or one with vLLM's compiled ops mapped). SIGTERM, like
