@@ -517,7 +517,14 @@ class PagedSelector:
         self.layer(layer, kv).fit(slot, keys.permute(1, 0, 2), q, blocks.to(torch.int64))
 
     def refit(
-        self, layer: int, kv: LayerKV, slot: int, query: torch.Tensor, blocks: torch.Tensor, seq: int
+        self,
+        layer: int,
+        kv: LayerKV,
+        slot: int,
+        query: torch.Tensor,
+        blocks: torch.Tensor,
+        seq: int,
+        keys: torch.Tensor | None = None,
     ) -> None:
         """A later chunk of a request's prompt (vLLM's chunked prefill): fit again on the keys
         of positions ``0..seq-1``, read from ``kv`` through the request's ``blocks``, and the
@@ -525,9 +532,11 @@ class PagedSelector:
         prompt would (the same when the chunk holds at least ``query_window`` tokens)."""
         nb = -(-seq // self.bs)
         b = blocks[:nb].to(torch.int64)
-        keys = kv.k[:, b].reshape(self.h, nb * self.bs, self.d)[:, :seq]
+        cached = kv.k[:, b].reshape(self.h, nb * self.bs, self.d)[:, :seq]
+        if keys is not None:  # the chunk's own keys (``(n, H, D)``), the cache for the earlier ones
+            cached = torch.cat([cached[:, : seq - keys.shape[0]], keys.permute(1, 0, 2)], dim=1)
         q = recent_queries(query, self.h, self.plugin.cfg.query_window)
-        self.layer(layer, kv).fit(slot, keys, q, b)
+        self.layer(layer, kv).fit(slot, cached, q, b)
 
     def extend(
         self, layer: int, kv: LayerKV, slot: int, keys: torch.Tensor, start: int, blocks: torch.Tensor

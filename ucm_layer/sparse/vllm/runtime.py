@@ -493,7 +493,7 @@ class SparseRuntime:
             if start == 0:
                 paged.fit(layer, kv, slot, k[t0:t1], q[t0:t1], bt[i])
             else:
-                paged.refit(layer, kv, slot, q[t0:t1], bt[i], start + t1 - t0)
+                paged.refit(layer, kv, slot, q[t0:t1], bt[i], start + t1 - t0, k[t0:t1])
         for i, slot, t0, t1, start in plan.extends:
             paged.extend(layer, kv, slot, k[t0:t1], start, bt[i])
         if plan.fill_slots is not None:
