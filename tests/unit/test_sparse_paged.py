@@ -5,8 +5,6 @@ request's blocks runs dense."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -73,13 +71,12 @@ def test_batched_selection_equals_the_per_request_hooks(name: str, options: dict
         slots.append(slot)
         data.append((k, q))
     dec = torch.randn(decodes, len(prompts), H, D)
-    for t in range(decodes):  # a decode key reaches the summaries when its block fills
-        filled = [r for r, n in enumerate(prompts) if (n + t) % BS == BS - 1]
-        for r, n in enumerate(prompts):
-            _write(kv, rows[r], dec[t, r : r + 1], n + t)
-        phys = torch.stack([rows[r][(prompts[r] + t) // BS] for r in filled]) if filled else None
-        if phys is not None:
-            sel.complete(0, kv, torch.tensor([slots[r] for r in filled]), phys.long())
+    for t in range(decodes):
+        pos = torch.tensor([n + t for n in prompts])
+        phys = torch.stack([rows[r][int(p) // BS] for r, p in enumerate(pos)])
+        for r in range(len(prompts)):
+            _write(kv, rows[r], dec[t, r : r + 1], int(pos[r]))
+        sel.append(0, kv, torch.tensor(slots), dec[t], phys, pos % BS == 0)
     seqs = [n + decodes for n in prompts]
     q = torch.randn(len(prompts), H * G, D)
     sr = SparseRows(torch.stack(rows), seqs, slots, plugin)
@@ -181,89 +178,3 @@ def test_a_block_table_with_another_requests_blocks_runs_dense(tmp_path) -> None
     # the dropped state is not trusted again: the row stays dense from then on
     sel = _run(rt, table, [n + 2, n + 2], [1, 1], q, k, kv)
     assert sel is not None and sel.rows == (1,)
-
-
-def test_reused_selections_follow_the_sequence_and_are_staggered_over_layers(tmp_path) -> None:
-    spec = ModelSpec(num_layers=2, num_q_heads=H * G, num_kv_heads=H, head_dim=D, block_size=BS)
-    cfg = from_mapping({"algorithm": "gsa", "budget_tokens": 5 * BS, "min_seq_len": 0, "reuse_steps": 3})
-    rt = SparseRuntime(cfg, spec)
-    assert rt.paged is not None and rt.plugin.cfg.reuse_steps == 3
-    kv = LayerKV(torch.zeros(H, NB, BS, D), torch.zeros(H, NB, BS, D))
-    table = torch.randperm(NB)[:20].view(1, 20).to(torch.int32)
-    torch.manual_seed(5)
-    n = 12 * BS - 2  # the third decode token starts a new block
-    keys = torch.randn(n + 8, H, D)
-    _write(kv, table[0], keys[:n], 0)
-    qsl = torch.tensor([0, n], dtype=torch.int32)
-    plan = rt.plan(object(), table, torch.tensor([n], dtype=torch.int32), qsl, kv.num_blocks)
-    assert plan is not None
-    for layer in range(2):
-        assert rt.layer_begin(plan, layer, (torch.randn(n, H * G, D), keys[:n], keys[:n]), kv) is None
-        rt.layer_end(plan, layer, torch.zeros(n, H * G, D), kv)
-    made: dict[int, list[int]] = {0: [], 1: []}
-    free_of: dict[int, set[int]] = {}
-    for t in range(7):
-        seq = n + t + 1
-        _write(kv, table[0], keys[seq - 1 : seq], seq - 1)
-        qsl = torch.tensor([0, 1], dtype=torch.int32)
-        plan = rt.plan(object(), table, torch.tensor([seq], dtype=torch.int32), qsl, kv.num_blocks)
-        assert plan is not None
-        nb, tail = -(-seq // BS), seq - (-(-seq // BS) - 1) * BS
-        for layer in range(2):
-            before = rt.paged.counters.selections
-            sel = rt.layer_begin(plan, layer, (torch.randn(1, H * G, D), keys[seq - 1 : seq], keys[:1]), kv)
-            rt.layer_end(plan, layer, torch.zeros(1, H * G, D), kv)
-            assert sel is not None
-            logical = {int(b): i for i, b in enumerate(table[0, :nb].tolist())}
-            picked = [{logical[int(b)] for b in sel.physical[0, h]} for h in range(H)]
-            for h in range(H):  # the sink and the two last blocks, whatever was reused
-                assert {0, nb - 2, nb - 1} <= picked[h]
-                assert int(sel.physical[0, h, -1]) == int(table[0, nb - 1])
-            assert sel.kernel_lens.tolist() == [4 * BS + tail] * H
-            free = {(h, b) for h in range(H) for b in picked[h] - {0, nb - 2, nb - 1}}
-            if rt.paged.counters.selections > before:
-                made[layer].append(rt.stats.steps)
-                free_of[layer] = free
-            else:  # a reused selection keeps its free blocks (one may now be a forced one)
-                assert free <= free_of[layer] and len(free_of[layer] - free) <= H
-                assert rt.stats.steps - made[layer][-1] < 3
-    for layer in range(2):
-        gaps = [b - a for a, b in zip(made[layer], made[layer][1:])]
-        assert gaps and all(1 <= g <= 3 for g in gaps), made
-    assert made[0][1:] != made[1][1:]  # staggered after the first selection
-    assert rt.snapshot()["plugin"]["reused"] > 0
-    # a new request on the same blocks and slot selects anew: nothing kept is lent to it
-    other = torch.randn(n + 1, H, D)
-    _write(kv, table[0], other, 0)
-    qsl = torch.tensor([0, n], dtype=torch.int32)
-    plan = rt.plan(object(), table, torch.tensor([n], dtype=torch.int32), qsl, kv.num_blocks)
-    for layer in range(2):
-        rt.layer_begin(plan, layer, (torch.randn(n, H * G, D), other[:n], other[:n]), kv)
-        rt.layer_end(plan, layer, torch.zeros(n, H * G, D), kv)
-    qsl = torch.tensor([0, 1], dtype=torch.int32)
-    plan = rt.plan(object(), table, torch.tensor([n + 1], dtype=torch.int32), qsl, kv.num_blocks)
-    before = rt.paged.counters.selections
-    for layer in range(2):
-        assert rt.layer_begin(plan, layer, (torch.randn(1, H * G, D), other[n:], other[n:]), kv) is not None
-        rt.layer_end(plan, layer, torch.zeros(1, H * G, D), kv)
-    assert rt.stats.requests == 2 and rt.paged.counters.selections == before + 2
-
-
-def test_a_prompt_prefilled_in_chunks_selects_like_one_prefilled_at_once(tmp_path) -> None:
-    torch.manual_seed(7)
-    n, split = 14 * BS + 5, 2 * BS + 3  # vLLM may give a prompt's first chunk a few tokens only
-    keys, queries = torch.randn(n + 1, H, D) * 2, torch.randn(n + 1, H * G, D)
-    table = torch.randperm(NB)[:20].view(1, 20).to(torch.int32)
-    got = []
-    for chunks in ((0, n), (0, split, n)):
-        cfg = from_mapping(
-            {"algorithm": "gsa", "budget_tokens": 5 * BS, "min_seq_len": 0, "query_window": 16}
-        )
-        rt, kv = SparseRuntime(cfg, SPEC), LayerKV(torch.zeros(H, NB, BS, D), torch.zeros(H, NB, BS, D))
-        _write(kv, table[0], keys[: n + 1], 0)
-        for a, b in itertools.pairwise(chunks):
-            assert _run(rt, table, [b], [b - a], queries[a:b], keys[a:b], kv) is None
-        sel = _run(rt, table, [n + 1], [1], queries[n:], keys[n:], kv)
-        assert sel is not None
-        got.append(sel.physical.sort(dim=-1).values)
-    assert torch.equal(got[0], got[1])

@@ -6,32 +6,23 @@ backend) can instead use :class:`PagedSelector`, which does the same selection f
 request of a step in one layer with a few tensor operations:
 
 - summaries live in one preallocated tensor per layer indexed by **physical block**
-  (``(H, width, num_blocks)``), written at prefill for the request's blocks. A decode
-  token costs nothing until its block fills: then the block's summary is computed from
-  its keys in the cache (``complete``: every request whose block filled in the step, in
-  one gather / product / max / scatter); a selection first refreshes its rows' partial
-  last blocks the same way (they are forced in the default configuration, but enter the
-  softmax's normalisation). A request's other per-layer state (GSA's basis) is one row of
-  a per-layer ``(slots, ...)`` tensor;
+  (``(H, width, num_blocks)``), written at prefill for the request's blocks and updated
+  in place for the one block each decode token lands in (``append``: every decoding
+  request of the step in one gather / ``where`` / scatter). A request's other per-layer
+  state (GSA's basis) is one row of a per-layer ``(slots, ...)`` tensor;
 - scoring is one product of every row's query weights with the store, one gather of the
   scores of the rows' blocks by their padded block tables (:class:`SparseRows`, built once
   per step and shared by every layer), one masked softmax, one ``topk`` (plus one for the
-  mixed ranking's bound share), one gather of the physical blocks;
-- with ``reuse_steps = K > 1`` a layer's selection of a group of rows is kept for up to
-  ``K`` steps (the free blocks; the sink and recent blocks always follow the sequence, so
-  every token decoded since the selection is read). Layer ``l`` selects anew on the steps
-  ``t`` with ``(t + l) % K == 0`` (and whenever the group's rows or block count change), so
-  the layers' selections are staggered and every step costs about the same.
+  mixed ranking's bound share), one gather of the physical blocks.
 
 Which algorithms: every registered block scorer. GSA (``residual_groups = 1``) and Quest
 through their max-rows (``RowMaxScorer``), mean key through per-block sums, the oracle
 and HATA read the keys of the batch's blocks from the cache (they keep one row per token).
 :func:`paged_support` says why a configuration is not supported (``select_ahead``,
-offload, a scorer not listed); the engine then uses the per-request hooks.
+``reuse_steps`` > 1, offload, a scorer not listed); the engine then uses the per-request hooks.
 
 The results equal the per-request hooks' selections (``tests/unit/test_sparse_paged.py``):
-same summaries (up to float rounding: a block's max rows come from one product over its
-keys instead of one per key), same softmax over the request's blocks, same top-k.
+same summaries, same softmax over the request's blocks, same top-k.
 
 Request identity is the engine's business (a slot per request, :meth:`PagedSelector.begin`);
 the selector trusts that a slot's blocks are the ones it was given. ``owner`` (one slot per
@@ -73,6 +64,8 @@ def paged_support(plugin: Any) -> str | None:
         return f"{type(plugin).__name__} is not a block-sparse plugin"
     if plugin.cfg.select_ahead:
         return "select_ahead selects for the next step (per-request hooks)"
+    if plugin.cfg.reuse_steps != 1:
+        return "reuse_steps > 1 keeps per-request selections (per-request hooks)"
     if getattr(plugin, "offload", False):
         return "offload manages device slots (per-request hooks)"
     if plugin.scorer_name not in _PAGED_SCORERS:
@@ -116,7 +109,6 @@ class SparseRows:
         self.width = width
         self.tables = tables[:, :width].to(torch.int64)
         self.slots = torch.tensor(slots, dtype=torch.int64, device=dev)
-        self.slot_key, self.nb_key = tuple(slots), tuple(nbs)
         self.nb = torch.tensor(nbs, dtype=torch.int64, device=dev)
         self.ragged = len(set(nbs)) > 1
         pos = torch.arange(width, device=dev).view(1, width)
@@ -125,7 +117,6 @@ class SparseRows:
         self.tail = torch.tensor(
             [s - (nb - 1) * bs for s, nb in zip(seqs, nbs)], dtype=torch.int64, device=dev
         )
-        self.seqs = tuple(seqs)
         h = plugin.model.num_kv_heads
         sink = torch.arange(self.sink, device=dev).view(1, 1, -1).expand(self.size, h, self.sink)
         recent = (self.nb.view(-1, 1) - self.recent + torch.arange(self.recent, device=dev)).view(
@@ -137,38 +128,6 @@ class SparseRows:
         self.tail_last = self.recent >= 1 and (sel.allocation == "head" or h == 1)
         self._tokens_valid: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def advance(self, tables: torch.Tensor, seqs: list[int], slots: list[int]) -> bool:
-        """The same rows one or more tokens later, in place, when nothing but the partial
-        blocks' lengths changed (same slots, same block counts, same blocks in ``tables``):
-        True; otherwise False and nothing changed (build new rows). Saves the step's plan
-        the masks and forced blocks (the layers' selections then see the new lengths)."""
-        bs = self.block_size
-        nbs = tuple(-(-s // bs) for s in seqs)
-        if tuple(slots) != self.slot_key or nbs != self.nb_key:
-            return False
-        if not torch.equal(tables[:, : self.width].to(torch.int64), self.tables):
-            return False
-        if tuple(seqs) != self.seqs:
-            dev = self.tables.device
-            self.tail = torch.tensor(
-                [s - (nb - 1) * bs for s, nb in zip(seqs, nbs)], dtype=torch.int64, device=dev
-            )
-            self.seqs = tuple(seqs)
-            self._tokens_valid = self._counts = None
-            self._last = None
-        return True
-
-    @property
-    def last_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's last (partial) block: physical ``(S,)`` and its valid tokens
-        ``(S, 1, block_size, 1)`` bool."""
-        if self._last is None:
-            phys = self.tables.gather(1, (self.nb - 1).view(-1, 1)).view(-1)
-            t = torch.arange(self.block_size, device=self.tables.device).view(1, 1, -1, 1)
-            self._last = phys, t < self.tail.view(-1, 1, 1, 1)
-        return self._last
 
     @property
     def counts(self) -> torch.Tensor:
@@ -196,12 +155,8 @@ class PagedScorer(abc.ABC):
     """One layer's summaries of every request, keyed by physical block (see module doc).
 
     ``fit`` (a request's first keys, from position 0, written to ``blocks``), ``extend``
-    (later keys of one request, several tokens), ``complete`` (whole blocks of several
-    requests from their keys in the cache), ``scores`` (``(S, H, W)`` ranking and optional
-    priority for the rows)."""
-
-    #: the scorer keeps summaries that ``complete`` must refresh (False: it reads the cache)
-    summarised: bool = True
+    (later keys of one request, several tokens), ``append`` (one new key per request for a
+    batch), ``scores`` (``(S, H, W)`` ranking and optional priority for the rows)."""
 
     def __init__(
         self, template: BlockScorer, options: dict[str, Any], num_blocks: int, like: torch.Tensor
@@ -214,15 +169,14 @@ class PagedScorer(abc.ABC):
     def fit(self, slot: int, keys: torch.Tensor, queries: torch.Tensor | None, blocks: torch.Tensor) -> None:
         """``keys (H, n, D)`` of positions ``0..n-1`` held by physical ``blocks``."""
 
-    def extend(self, slot: int, keys: torch.Tensor, start: int, blocks: torch.Tensor, kv: LayerKV) -> None:
-        """``keys (H, n, D)`` at positions ``start...`` of the request whose blocks are
-        ``blocks`` (``kv``: the cache, holding every key of the request up to these)."""
+    def extend(self, slot: int, keys: torch.Tensor, start: int, blocks: torch.Tensor) -> None:
+        """``keys (H, n, D)`` at positions ``start...`` of the request whose blocks are ``blocks``."""
 
-    def complete(
-        self, slots: torch.Tensor, keys: torch.Tensor, phys: torch.Tensor, valid: torch.Tensor | None
+    def append(
+        self, slots: torch.Tensor, keys: torch.Tensor, phys: torch.Tensor, fresh: torch.Tensor
     ) -> None:
-        """Whole summaries of physical blocks ``phys (S,)`` from their keys ``(S, H, bs, D)``
-        (``valid (S, 1, bs, 1)`` bool: the tokens that hold keys; None: all); ``slots (S,)``."""
+        """One key per request: ``keys (S, H, D)`` into physical blocks ``phys (S,)``;
+        ``fresh (S,)``: the key is its block's first."""
 
     @abc.abstractmethod
     def scores(
@@ -306,25 +260,27 @@ class RowMaxPaged(_ColumnStore):
         self._set_params(slot, sc.batch_params())
         self._write(blocks[: sc.num_blocks], sc.summaries.transpose(1, 2))
 
-    def extend(self, slot: int, keys: torch.Tensor, start: int, blocks: torch.Tensor, kv: LayerKV) -> None:
+    def extend(self, slot: int, keys: torch.Tensor, start: int, blocks: torch.Tensor) -> None:
         n = keys.shape[1]
         params = None if self.params is None else self.params[slot]
+        rows = self.rm.rows_with(keys, params)  # (H, n, W)
         b0, b1 = start // self.bs, (start + n - 1) // self.bs
         lead = start % self.bs
+        pad = rows[:, :1].expand(-1, lead, -1) if lead else rows[:, :0]
+        fresh = edge_block_view(torch.cat([pad, rows], dim=1), self.bs).amax(dim=2)  # (H, nblk, W)
         phys = blocks[b0 : b1 + 1]
-        if lead:  # the first block's earlier keys, from the cache (decode keys have no summary)
-            keys = torch.cat([kv.k[:, phys[0], :lead], keys], dim=1)
-        rows = self.rm.rows_with(keys, params)  # (H, lead + n, W)
-        fresh = edge_block_view(rows, self.bs).amax(dim=2)  # (H, nblk, W)
+        if lead:  # the first block already holds keys: merge
+            fresh[:, 0] = torch.maximum(fresh[:, 0], self.store[:, :, phys[0]])
         self._write(phys, fresh.transpose(1, 2))
 
-    def complete(
-        self, slots: torch.Tensor, keys: torch.Tensor, phys: torch.Tensor, valid: torch.Tensor | None
+    def append(
+        self, slots: torch.Tensor, keys: torch.Tensor, phys: torch.Tensor, fresh: torch.Tensor
     ) -> None:
-        rows = self.rm.rows_with(keys, self._params(slots))  # (S, H, bs, W)
-        if valid is not None:
-            rows = rows.masked_fill(~valid, _NEG)
-        self._write(phys, rows.amax(dim=2).permute(1, 2, 0))
+        rows = (
+            self.rm.rows_with(keys.unsqueeze(2), self._params(slots)).squeeze(2).permute(1, 2, 0)
+        )  # (H, W, S)
+        cur = self.store.index_select(2, phys)
+        self._write(phys, torch.where(fresh.view(1, 1, -1), rows, torch.maximum(cur, rows)))
 
     def scores(
         self, rows: SparseRows, q: torch.Tensor, kv: LayerKV
@@ -355,22 +311,23 @@ class MeanKeyPaged(_ColumnStore):
         sums = block_view(keys, self.bs, 0.0).sum(dim=2)  # (H, nb, D)
         self._write(blocks[: sums.shape[1]], sums.transpose(1, 2))
 
-    def extend(self, slot: int, keys: torch.Tensor, start: int, blocks: torch.Tensor, kv: LayerKV) -> None:
+    def extend(self, slot: int, keys: torch.Tensor, start: int, blocks: torch.Tensor) -> None:
         n = keys.shape[1]
         b0, b1 = start // self.bs, (start + n - 1) // self.bs
         lead = start % self.bs
+        pad = keys.new_zeros((keys.shape[0], lead, keys.shape[2]))
+        sums = block_view(torch.cat([pad, keys], dim=1), self.bs, 0.0).sum(dim=2)
         phys = blocks[b0 : b1 + 1]
-        if lead:  # the first block's earlier keys, from the cache
-            keys = torch.cat([kv.k[:, phys[0], :lead], keys], dim=1)
-        sums = block_view(keys, self.bs, 0.0).sum(dim=2)
+        if lead:
+            sums[:, 0] += self.store[:, :, phys[0]]
         self._write(phys, sums.transpose(1, 2))
 
-    def complete(
-        self, slots: torch.Tensor, keys: torch.Tensor, phys: torch.Tensor, valid: torch.Tensor | None
+    def append(
+        self, slots: torch.Tensor, keys: torch.Tensor, phys: torch.Tensor, fresh: torch.Tensor
     ) -> None:
-        if valid is not None:
-            keys = keys.masked_fill(~valid, 0.0)
-        self._write(phys, keys.sum(dim=2).permute(1, 2, 0))
+        k = keys.permute(1, 2, 0)  # (H, D, S)
+        cur = self.store.index_select(2, phys)
+        self._write(phys, torch.where(fresh.view(1, 1, -1), k, cur + k))
 
     def scores(
         self, rows: SparseRows, q: torch.Tensor, kv: LayerKV
@@ -382,8 +339,6 @@ class MeanKeyPaged(_ColumnStore):
 
 class CacheReadPaged(PagedScorer):
     """The oracle and HATA keep a row per token: both read the batch's keys from the cache."""
-
-    summarised = False
 
     def _keys(self, rows: SparseRows, kv: LayerKV) -> torch.Tensor:
         """``(S, H, W, block_size, D)`` keys of the rows' listed blocks."""
@@ -418,29 +373,11 @@ _PAGED_SCORERS: dict[str, type[PagedScorer]] = {
 }
 
 
-@dataclass(frozen=True)
-class _Kept:
-    """A layer's selection kept for reuse: made at ``step`` for the rows ``slot_key`` with
-    ``nb_key`` blocks, its free logical blocks ``(S, H, f)`` (None: none), and what was
-    derived from them (``physical``, the last-block mask and full lengths ``(S, H, k)``)."""
-
-    step: int
-    slot_key: tuple[int, ...]
-    nb_key: tuple[int, ...]
-    k: int
-    forced: tuple[int, int]
-    free: torch.Tensor | None
-    physical: torch.Tensor
-    last: torch.Tensor
-    full: torch.Tensor
-
-
 @dataclass
 class PagedCounters:
     """Host counters (no device sync): selections made, (request, layer) decode steps."""
 
-    selections: int = 0  # (row, layer) selections made
-    reused: int = 0  # (row, layer) selections reused (``reuse_steps``)
+    selections: int = 0
     sparse_layer_steps: int = 0
     dense_layer_steps: int = 0
 
@@ -463,8 +400,6 @@ class PagedSelector:
         self._kind = _PAGED_SCORERS[plugin.scorer_name]
         assert SCORERS.load(plugin.scorer_name) is type(self.template)
         self.layers: list[PagedScorer | None] = [None] * m.num_layers
-        # per layer: the selection kept for reuse (one group of rows; reuse_steps > 1)
-        self._kept: list[_Kept | None] = [None] * m.num_layers
         self.owner: torch.Tensor | None = None  # (num_blocks,) slot owning each physical block
         self._slots: dict[str, int] = {}
         self._free: list[int] = []
@@ -486,8 +421,6 @@ class PagedSelector:
         slot = self._slots.pop(rid, None)
         if slot is not None:
             self._free.append(slot)
-            # a kept selection of this slot is the finished request's: never the next one's
-            self._kept = [None if k is not None and slot in k.slot_key else k for k in self._kept]
 
     def ensure_blocks(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         """The owner table for a cache of ``num_blocks`` physical blocks (-1: nobody)."""
@@ -516,86 +449,54 @@ class PagedSelector:
         q = recent_queries(query, self.h, self.plugin.cfg.query_window)
         self.layer(layer, kv).fit(slot, keys.permute(1, 0, 2), q, blocks.to(torch.int64))
 
-    def refit(
-        self,
-        layer: int,
-        kv: LayerKV,
-        slot: int,
-        query: torch.Tensor,
-        blocks: torch.Tensor,
-        seq: int,
-        keys: torch.Tensor | None = None,
-    ) -> None:
-        """A later chunk of a request's prompt (vLLM's chunked prefill): fit again on the keys
-        of positions ``0..seq-1``, read from ``kv`` through the request's ``blocks``, and the
-        chunk's queries ``(n, Hq, D)`` (the prompt's last ones), as :meth:`fit` on the whole
-        prompt would (the same when the chunk holds at least ``query_window`` tokens)."""
-        nb = -(-seq // self.bs)
-        b = blocks[:nb].to(torch.int64)
-        cached = kv.k[:, b].reshape(self.h, nb * self.bs, self.d)[:, :seq]
-        if keys is not None:  # the chunk's own keys (``(n, H, D)``), the cache for the earlier ones
-            cached = torch.cat([cached[:, : seq - keys.shape[0]], keys.permute(1, 0, 2)], dim=1)
-        q = recent_queries(query, self.h, self.plugin.cfg.query_window)
-        self.layer(layer, kv).fit(slot, cached, q, b)
-
     def extend(
         self, layer: int, kv: LayerKV, slot: int, keys: torch.Tensor, start: int, blocks: torch.Tensor
     ) -> None:
-        """Later keys ``(n, H, D)`` of one request at positions ``start...`` (already in ``kv``
-        with every earlier key)."""
+        """Later keys ``(n, H, D)`` of one request at positions ``start...``."""
         if keys.shape[0]:
-            self.layer(layer, kv).extend(slot, keys.permute(1, 0, 2), start, blocks.to(torch.int64), kv)
+            self.layer(layer, kv).extend(slot, keys.permute(1, 0, 2), start, blocks.to(torch.int64))
 
-    def complete(self, layer: int, kv: LayerKV, slots: torch.Tensor, phys: torch.Tensor) -> None:
-        """The full physical blocks ``phys (S,)`` of requests ``slots (S,)`` (a decode token
-        filled each): their summaries from their keys in ``kv``."""
-        ps = self.layer(layer, kv)
-        if slots.numel() and ps.summarised:
-            ps.complete(slots, kv.k[:, phys].transpose(0, 1), phys, None)
-
-    def _refresh_tails(self, layer: int, kv: LayerKV, rows: SparseRows) -> None:
-        """The rows' partial last blocks' summaries from their keys in ``kv`` (decode keys
-        reach a summary only when their block fills, :meth:`complete`)."""
-        ps = self.layer(layer, kv)
-        if ps.summarised:
-            phys, valid = rows.last_blocks
-            ps.complete(rows.slots, kv.k[:, phys].transpose(0, 1), phys, valid)
-
-    def _reusable(self, layer: int, rows: SparseRows, step: int | None) -> _Kept | None:
-        """The selection ``layer`` keeps for ``rows`` at ``step`` (None: select anew)."""
-        k = self.plugin.cfg.reuse_steps
-        kept = self._kept[layer]
-        if k <= 1 or step is None or kept is None:
-            return None
-        if kept.slot_key != rows.slot_key or kept.k != rows.k or kept.forced != (rows.sink, rows.recent):
-            return None
-        if step - kept.step >= k or (step != kept.step and (step + layer) % k == 0):
-            return None
-        return kept
+    def append(
+        self,
+        layer: int,
+        kv: LayerKV,
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        phys: torch.Tensor,
+        fresh: torch.Tensor,
+    ) -> None:
+        """One new key per decoding request, ``keys (S, H, D)`` (see ``PagedScorer.append``)."""
+        if slots.numel():
+            self.layer(layer, kv).append(slots, keys, phys, fresh)
 
     def select(
-        self, layer: int, kv: LayerKV, rows: SparseRows, q: torch.Tensor, step: int | None = None
+        self, layer: int, kv: LayerKV, rows: SparseRows, q: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The physical blocks ``(S, H, k)`` every KV head of every row reads, and their valid
         tokens ``(S, H, k)`` (0: an entry a head does not use), for decode queries
         ``q (S, Hq, D)``. With ``rows.tail_last`` the last entry of every head is its
-        row's last (partial) block. ``step``: the engine's step number; with ``reuse_steps``
-        above 1, the layer's free blocks of the same rows are reused when selected fewer than
-        that many steps ago (module docstring; the forced blocks follow the sequence). A
-        reused selection whose rows' block counts are unchanged returns the same
-        ``physical`` object as before (a caller may cache what it derives from it)."""
+        row's last (partial) block."""
         s = rows.size
-        kept = self._reusable(layer, rows, step)
-        if kept is not None:
-            self.counters.reused += s
-            if kept.nb_key == rows.nb_key:
-                lens = torch.where(kept.last, rows.tail.view(-1, 1, 1), kept.full)
-                return kept.physical, lens
-            free = kept.free
-        else:
-            self.counters.selections += s
-            free = self._select_free(layer, kv, rows, q) if rows.free > 0 else None
-        if free is not None:
+        sel = self.plugin.cfg.selection
+        q = q.reshape(s, self.h, self.g, self.d)
+        self.counters.selections += s
+        if rows.free > 0:
+            ranking, priority = self.layer(layer, kv).scores(rows, q, kv)
+            mid = rows.mid.view(s, 1, -1)
+            ranking = ranking.masked_fill(~mid, _NEG)
+            first = min(rows.free, round(self.priority_share * rows.free)) if priority is not None else 0
+            if first > 0 and priority is not None:
+                top = torch.topk(priority.masked_fill(~mid, _NEG), first, dim=-1, sorted=False).indices
+                ranking = ranking.scatter(-1, top, float("inf"))
+            if sel.allocation == "head" or self.h == 1:
+                free = torch.topk(ranking, rows.free, dim=-1, sorted=False).indices
+            else:
+                cap = min(rows.width, math.ceil(sel.head_cap * rows.free))
+                vals, idx = torch.topk(ranking, cap, dim=-1, sorted=False)
+                chosen = torch.topk(vals.reshape(s, -1), self.h * rows.free, dim=-1, sorted=False).indices
+                keep = torch.zeros((s, self.h * cap), dtype=torch.bool, device=q.device)
+                keep.scatter_(1, chosen, True)
+                free = torch.where(keep.view(s, self.h, cap), idx, torch.full_like(idx, -1))
             logical = torch.cat([rows.sink_idx, free, rows.recent_idx], dim=-1)
         else:
             logical = torch.cat([rows.sink_idx, rows.recent_idx], dim=-1)
@@ -603,43 +504,14 @@ class PagedSelector:
         logical = logical.clamp(min=0)
         physical = rows.tables.gather(1, logical.reshape(s, -1)).view_as(logical)
         last = logical == (rows.nb - 1).view(-1, 1, 1)
-        full = torch.full_like(logical, self.bs) * used
-        lens = torch.where(last, rows.tail.view(-1, 1, 1), full)
-        if self.plugin.cfg.reuse_steps > 1 and step is not None:
-            made = step if kept is None else kept.step
-            self._kept[layer] = _Kept(
-                made, rows.slot_key, rows.nb_key, rows.k, (rows.sink, rows.recent), free, physical, last, full
-            )
+        lens = torch.where(last, rows.tail.view(-1, 1, 1), torch.full_like(logical, self.bs)) * used
         return physical, lens
-
-    def _select_free(self, layer: int, kv: LayerKV, rows: SparseRows, q: torch.Tensor) -> torch.Tensor:
-        """The free (not forced) logical blocks ``(S, H, f)`` of every row's KV heads (-1: an
-        entry a head does not use, ``allocation="layer"``)."""
-        s = rows.size
-        sel = self.plugin.cfg.selection
-        q = q.reshape(s, self.h, self.g, self.d)
-        self._refresh_tails(layer, kv, rows)
-        ranking, priority = self.layer(layer, kv).scores(rows, q, kv)
-        mid = rows.mid.view(s, 1, -1)
-        ranking = ranking.masked_fill(~mid, _NEG)
-        first = min(rows.free, round(self.priority_share * rows.free)) if priority is not None else 0
-        if first > 0 and priority is not None:
-            top = torch.topk(priority.masked_fill(~mid, _NEG), first, dim=-1, sorted=False).indices
-            ranking = ranking.scatter(-1, top, float("inf"))
-        if sel.allocation == "head" or self.h == 1:
-            return torch.topk(ranking, rows.free, dim=-1, sorted=False).indices
-        cap = min(rows.width, math.ceil(sel.head_cap * rows.free))
-        vals, idx = torch.topk(ranking, cap, dim=-1, sorted=False)
-        chosen = torch.topk(vals.reshape(s, -1), self.h * rows.free, dim=-1, sorted=False).indices
-        keep = torch.zeros((s, self.h * cap), dtype=torch.bool, device=q.device)
-        keep.scatter_(1, chosen, True)
-        return torch.where(keep.view(s, self.h, cap), idx, torch.full_like(idx, -1))
 
     def stats(self) -> dict[str, float]:
         c = self.counters
         return {
             "selections": float(c.selections),
-            "reused": float(c.reused),
+            "reused": 0.0,
             "sparse_layer_steps": float(c.sparse_layer_steps),
             "dense_layer_steps": float(c.dense_layer_steps),
             "step_reuse": float("nan"),

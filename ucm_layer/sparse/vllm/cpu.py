@@ -101,7 +101,6 @@ def sparse_decode(
     isa: str,
     kernel_lens: torch.Tensor | None = None,
     memo: dict[Any, Any] | None = None,
-    block_table: torch.Tensor | None = None,
     **kernel: Any,
 ) -> torch.Tensor:
     """Decode attention of ``S`` requests, one token each: ``query (S, Hq, D)``, per-KV-head
@@ -112,15 +111,13 @@ def sparse_decode(
     ``kernel_lens (S * H,)`` int32: the folded sequences' lengths when every head's entries
     are full blocks with the partial one last (then ``lens`` is not read and no sort is
     needed); ``memo``: a per-step dict where the kernel's scheduler metadata is kept for
-    the next call with the same ``kernel_lens`` object (the layers of one step);
-    ``block_table``: :func:`fold_physical` of ``tables``, when the caller kept it (with
-    ``kernel_lens`` only)."""
+    the next call with the same ``kernel_lens`` object (the layers of one step)."""
     s, hq, d = query.shape
     h = int(key_cache.shape[1])
     if tables.shape[:2] != (s, h):
         raise ValueError(f"tables {tuple(tables.shape)} must be (requests={s}, kv heads={h}, k)")
     if kernel_lens is not None:
-        block_table, seq_lens = block_table if block_table is not None else fold_physical(tables), kernel_lens
+        block_table, seq_lens = fold_physical(tables), kernel_lens
     else:
         block_table, seq_lens = fold_heads(tables, lens)
     q = fold_query(query, h)
@@ -230,7 +227,6 @@ class KVFabricCPUSparseImpl(SparseImplMixin, CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._folded: tuple[torch.Tensor, torch.Tensor] | None = None  # (physical, its fold)
         self._attach(sliding_window=self.sliding_window != -1)
 
     def _cache_views(self, kv_cache: torch.Tensor) -> LayerKV:
@@ -267,10 +263,6 @@ class KVFabricCPUSparseImpl(SparseImplMixin, CPUAttentionBackendImpl):
         s = len(sparse.rows)
         tok = sparse.token_index
         q = query[:s] if sparse.identity else query.index_select(0, tok)
-        # a reused selection comes back as the same object: its folded table is kept
-        folded = getattr(self, "_folded", None)
-        if folded is None or folded[0] is not sparse.physical:
-            folded = self._folded = (sparse.physical, fold_physical(sparse.physical))
         res = sparse_decode(
             q,
             key_cache,
@@ -281,7 +273,6 @@ class KVFabricCPUSparseImpl(SparseImplMixin, CPUAttentionBackendImpl):
             layer.isa,
             kernel_lens=sparse.kernel_lens,
             memo=sparse.cache,
-            block_table=folded[1],
             **kernel,
         )
         if sparse.identity:

@@ -24,15 +24,9 @@ Two ways to drive the plugin, chosen once (``paged_support``):
 batched (``sparse.paged.PagedSelector``: every block-sparse algorithm without
 ``select_ahead``/offload)
     the step's rows are classified once in ``plan`` (prompts to fit, decode rows, the rows
-    that select and their padded block tables, ``paged.SparseRows``, carried over from the
-    step before when only the partial blocks grew); per layer one batched summary of the
-    blocks the step's tokens filled and one batched selection (a few tensor operations, no
-    loop over requests, heads or blocks), reused for ``reuse_steps`` steps (default in the
-    engine :data:`ENGINE_REUSE_STEPS`). A later chunk of a prompt (vLLM's chunked prefill
-    gives a prompt scheduled behind another one a first chunk of the step's leftover
-    tokens, a few hundred or fewer) fits the request's summaries again on the whole prompt so
-    far, read from the cache, and that chunk's queries (``prompt_chunks``); fitting on the
-    first chunk alone left GSA's basis to those few keys. The summaries are keyed by
+    that select and their padded block tables, ``paged.SparseRows``); per layer one
+    batched summary update for every decoding row and one batched selection (a few tensor
+    operations, no loop over requests, heads or blocks). The summaries are keyed by
     physical block; before a step, every block a continuing row's state has seen must
     still be owned by that state (``owner``, one gather per step), or the row runs dense
     and the state is dropped (``identity_mismatch``).
@@ -90,7 +84,6 @@ class _Tracked:
     tokens: int = 0  # tokens the plugin has seen (keys appended)
     last_step: int = 0
     slot: int = -1  # the batched selector's slot
-    prefilling: bool = True  # no decode step yet (a multi-token step is a prompt chunk)
 
 
 @dataclass(frozen=True)
@@ -136,11 +129,13 @@ class StepPlan:
     tokens: tuple[Any, ...] = ()  # the managed rows' query, key, value of the current layer
     # batched mode
     block_table: Any = None
-    # (row, slot, t0, t1, start): a prompt chunk at positions start... (tokens t0:t1)
-    fits: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    fits: list[tuple[int, int, int, int]] = field(default_factory=list)  # (row, slot, t0, t1)
     extends: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (row, slot, t0, t1, start)
-    fill_slots: Any = None  # (Sf,) slots of the decode rows whose new token filled its block
-    fill_phys: Any = None  # (Sf,) those blocks
+    dec_slots: Any = None  # (Sd,) slots of the decode rows
+    dec_tokens: Any = None  # (Sd,) their tokens
+    dec_identity: bool = False
+    dec_phys: Any = None  # (Sd,) physical block of each new token
+    dec_fresh: Any = None  # (Sd,) bool: the new token starts its block
     groups: list[_Group] = field(default_factory=list)
     blocks_selected: int = 0  # per sparse layer: sum over rows of blocks read per head
     blocks_total: int = 0  # ... and of the blocks dense reads
@@ -161,7 +156,6 @@ class RuntimeStats:
     blocks_selected: int = 0  # per sparse (request, layer): mean over KV heads of blocks read
     blocks_total: int = 0  # ... and the blocks the dense kernel would have read
     identity_mismatch: int = 0  # rows whose blocks were not all their state's: run dense
-    prompt_chunks: int = 0  # later chunks of a prompt (chunked prefill): summaries fitted again
     layers: list[LayerCounters] = field(default_factory=list)
 
 
@@ -180,7 +174,7 @@ class SparseRuntime:
         if not config.enabled:
             raise ValueError("SparseRuntime needs a configuration with an algorithm")
         self.config, self.spec = config, spec
-        self.plugin: UcmSparseBase = create(str(config.algorithm), spec, engine_options(config))
+        self.plugin: UcmSparseBase = create(str(config.algorithm), spec, dict(config.options))
         self.paged: PagedSelector | None = (
             PagedSelector(self.plugin)  # type: ignore[arg-type]
             if batched and paged_support(self.plugin) is None
@@ -192,7 +186,6 @@ class SparseRuntime:
         self._by_block: dict[int, _Tracked] = {}
         self._next_id = 0
         self._plan: StepPlan | None = None
-        self._rows_kept: dict[int, SparseRows] = {}  # block count -> the last step's rows
         self._last_layer = spec.num_layers - 1
 
     # ------------------------------------------------------------------ requests
@@ -352,7 +345,7 @@ class SparseRuntime:
         )
         cfg = self.plugin.cfg  # type: ignore[attr-defined]
         sel = cfg.selection
-        fill_slots, fill_rows, fill_blocks = [], [], []
+        dec_rows, dec_tok, dec_slots, dec_pos = [], [], [], []
         long: list[tuple[int, int, int]] = []  # (row, seq, slot)
         for i, st in picked:
             seq, n = int(seqs[i]), qsl[i + 1] - qsl[i]
@@ -361,26 +354,25 @@ class SparseRuntime:
             if nb_new > nb_prev:  # the state now owns its new blocks
                 owner[block_table[i, nb_prev:nb_new].to(torch.int64)] = st.slot
             if start == 0:
-                plan.fits.append((i, st.slot, qsl[i], qsl[i + 1], 0))
-            elif n > 1 and st.prefilling:  # a later prompt chunk: fit again on the whole prompt
-                plan.fits.append((i, st.slot, qsl[i], qsl[i + 1], start))
-                self.stats.prompt_chunks += 1
+                plan.fits.append((i, st.slot, qsl[i], qsl[i + 1]))
             elif n > 1:
                 plan.extends.append((i, st.slot, qsl[i], qsl[i + 1], start))
             else:
-                st.prefilling = False
-                if seq % bs == 0:  # the new token filled its block: summarise it
-                    fill_slots.append(st.slot)
-                    fill_rows.append(i)
-                    fill_blocks.append((seq - 1) // bs)
+                dec_rows.append(i)
+                dec_tok.append(qsl[i])
+                dec_slots.append(st.slot)
+                dec_pos.append(seq - 1)
                 if seq >= cfg.min_seq_len and sel.num_selected(seq, bs) * bs < seq:
                     long.append((i, seq, st.slot))
             st.tokens, st.last_step = seq, step
-        if fill_slots:
-            plan.fill_slots = torch.tensor(fill_slots, dtype=torch.int64, device=dev)
-            at = (torch.tensor(fill_rows, device=dev), torch.tensor(fill_blocks, device=dev))
-            plan.fill_phys = block_table[at].to(torch.int64)
-        rows_kept: dict[int, SparseRows] = {}
+        if dec_rows:
+            rows_t = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
+            pos = torch.tensor(dec_pos, dtype=torch.int64, device=dev)
+            plan.dec_slots = torch.tensor(dec_slots, dtype=torch.int64, device=dev)
+            plan.dec_identity = dec_tok == list(range(len(dec_tok)))
+            plan.dec_tokens = torch.tensor(dec_tok, dtype=torch.int64, device=dev)
+            plan.dec_phys = block_table[rows_t, pos // bs].to(torch.int64)
+            plan.dec_fresh = pos % bs == 0
         if len(long) >= cfg.min_long_requests:
             by_k: dict[int, list[tuple[int, int, int]]] = {}
             for r in long:
@@ -389,12 +381,12 @@ class SparseRuntime:
             for k, rs in sorted(by_k.items()):
                 rows = [r for r, _, _ in rs]
                 tok = [qsl[r] for r in rows]
-                tables = block_table[torch.tensor(rows, dtype=torch.int64, device=dev)]
-                seqs_k, slots_k = [s for _, s, _ in rs], [sl for _, _, sl in rs]
-                sr = self._rows_kept.get(k)
-                if sr is None or not sr.advance(tables, seqs_k, slots_k):
-                    sr = SparseRows(tables, seqs_k, slots_k, self.plugin)  # type: ignore[arg-type]
-                rows_kept[k] = sr
+                sr = SparseRows(
+                    block_table[torch.tensor(rows, dtype=torch.int64, device=dev)],
+                    [s for _, s, _ in rs],
+                    [sl for _, _, sl in rs],
+                    self.plugin,  # type: ignore[arg-type]
+                )
                 kl = None
                 if sr.tail_last:
                     per_row = (k - 1) * bs + sr.tail
@@ -410,7 +402,6 @@ class SparseRuntime:
                 )
                 plan.blocks_selected += k * len(rs)
                 plan.blocks_total += sum(-(-s // bs) for _, s, _ in rs)
-        self._rows_kept = rows_kept  # the next step's rows start from these when unchanged
         return plan
 
     def _check_owner(
@@ -489,15 +480,14 @@ class SparseRuntime:
         assert paged is not None
         q, k, _ = tokens
         bt = plan.block_table
-        for i, slot, t0, t1, start in plan.fits:
-            if start == 0:
-                paged.fit(layer, kv, slot, k[t0:t1], q[t0:t1], bt[i])
-            else:
-                paged.refit(layer, kv, slot, q[t0:t1], bt[i], start + t1 - t0, k[t0:t1])
+        for i, slot, t0, t1 in plan.fits:
+            paged.fit(layer, kv, slot, k[t0:t1], q[t0:t1], bt[i])
         for i, slot, t0, t1, start in plan.extends:
             paged.extend(layer, kv, slot, k[t0:t1], start, bt[i])
-        if plan.fill_slots is not None:
-            paged.complete(layer, kv, plan.fill_slots, plan.fill_phys)
+        if plan.dec_slots is not None:
+            n = int(plan.dec_slots.numel())
+            keys = k[:n] if plan.dec_identity else k.index_select(0, plan.dec_tokens)
+            paged.append(layer, kv, plan.dec_slots, keys, plan.dec_phys, plan.dec_fresh)
         counters = self.stats.layers[layer]
         dense_layer = layer in self.plugin.cfg.dense_layers  # type: ignore[attr-defined]
         if not plan.groups or dense_layer:
@@ -507,7 +497,7 @@ class SparseRuntime:
         out = []
         for g in plan.groups:
             qs = q[: len(g.rows)] if g.identity else q.index_select(0, g.tokens)
-            physical, lens = paged.select(layer, kv, g.sparse, qs, self.stats.steps)
+            physical, lens = paged.select(layer, kv, g.sparse, qs)
             out.append((g, physical, lens))
         nsparse = sum(len(g.rows) for g in plan.groups)
         counters.sparse += nsparse
@@ -593,7 +583,6 @@ class SparseRuntime:
             "algorithm": self.config.algorithm,
             "pid": os.getpid(),
             "batched": self.paged is not None,
-            "reuse_steps": getattr(getattr(self.plugin, "cfg", None), "reuse_steps", None),
             "steps": s.steps,
             "requests": s.requests,
             "tracked_requests": len(self._by_block),
@@ -602,7 +591,6 @@ class SparseRuntime:
             "blocks_selected": s.blocks_selected,
             "blocks_total": s.blocks_total,
             "identity_mismatch": s.identity_mismatch,
-            "prompt_chunks": s.prompt_chunks,
             "layers": [{"sparse": c.sparse, "dense": c.dense} for c in s.layers],
             "plugin": plugin,
         }
@@ -620,27 +608,6 @@ class SparseRuntime:
         if self._plan is not None and not self._plan.done:
             self._finish_step(self._plan)
         self.plugin.close()
-
-
-#: ``reuse_steps`` of a block-sparse algorithm in the engine when the configuration gives
-#: none: each layer selects anew every 4 decode steps (staggered over the layers,
-#: ``paged.PagedSelector``). Chosen by measured recall (docs/sparse.md, "Selecting every
-#: few steps"): on the synthetic 32K workload at 2,048 tokens a selection reused for 4
-#: steps keeps its recall within 0.01 of a fresh one, 8 steps lose up to 0.03.
-ENGINE_REUSE_STEPS = 4
-
-
-def engine_options(config: SparseBackendConfig) -> dict[str, Any]:
-    """The algorithm's options in the engine: the configuration's, with
-    :data:`ENGINE_REUSE_STEPS` for a block-sparse algorithm that names no ``reuse_steps``."""
-    from kvfabric.ucm_layer.sparse.base import ALGORITHMS
-    from kvfabric.ucm_layer.sparse.blocksparse import BlockSparseAttention
-
-    opts = dict(config.options)
-    cls = ALGORITHMS.load(str(config.algorithm))
-    if isinstance(cls, type) and issubclass(cls, BlockSparseAttention) and not opts.get("select_ahead"):
-        opts.setdefault("reuse_steps", ENGINE_REUSE_STEPS)
-    return opts
 
 
 _RUNTIMES: dict[tuple[ModelSpec, str], SparseRuntime] = {}
@@ -664,12 +631,4 @@ def layer_index(layer_name: str) -> int:
     return nums[0]
 
 
-__all__ = [
-    "ENGINE_REUSE_STEPS",
-    "LayerSelection",
-    "SparseRuntime",
-    "StepPlan",
-    "engine_options",
-    "layer_index",
-    "runtime_for",
-]
+__all__ = ["LayerSelection", "SparseRuntime", "StepPlan", "layer_index", "runtime_for"]
