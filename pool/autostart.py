@@ -7,19 +7,21 @@ of one daemon (``kvfabric pool serve``).
 
 Call order and locking: :func:`ensure` takes an exclusive ``flock`` on
 ``<socket>.start.lock`` (blocking, bounded by ``start_timeout_s``), then probes the socket
-(an ``Info`` call). A daemon that answers is joined. Otherwise this process starts one as a
-detached subprocess (its own session: a signal to the caller's process group, e.g. Ctrl-C
-or a worker restart, does not reach it; stdin closed; stdout and stderr appended to
+(an ``Info`` call). A daemon that answers is joined. Otherwise this process starts one as
+a detached subprocess (its own session: a signal to the caller's process group, e.g.
+Ctrl-C or a worker restart, does not reach it; stdin closed; stdout and stderr appended to
 ``<socket>.log``) and waits until it answers, or until it exits (``PoolStartFailed`` with
 the tail of its log). The lock is released only then, so of any number of processes racing
 exactly one starts a daemon and the others find it ready. The daemon's own locks
 (``daemon.py``) still guard against a daemon started by hand on the same socket or name.
+The daemon is not a child of the caller: it runs under a subshell that outlives the
+caller's tree and logs its exit status, so killing the caller's process tree (as vLLM does
+to an engine core that does not stop in time) leaves it running.
 
 Lifetime: the daemon is started with ``exit_when_idle_s`` (default 30 s), so it exits, and
 removes its segments and socket, once no client has been connected for that long: it goes
 away with its last client and survives a client restart shorter than the grace. ``0``
-keeps it until SIGTERM. The starter reaps the daemon if it outlives it (a thread waits on
-it); if the starter goes first the daemon is re-parented as usual.
+keeps it until SIGTERM. Its subshell reaps it.
 
 Where: ``<runtime dir>/kvfabric-pool-<name>.sock``; the runtime dir is
 ``$XDG_RUNTIME_DIR`` (as for ``kvfabric pool serve``'s default socket) or, without it,
@@ -32,11 +34,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -155,7 +158,6 @@ def ensure(pool: AutoPool) -> PoolLocation:
             info = probe(sock)
             if info is not None:
                 _check(pool, sock, info)
-                threading.Thread(target=proc.wait, name="kvfabric-pool-reaper", daemon=True).start()
                 pid = daemon_pid(sock)
                 if pid is not None and pid != proc.pid:  # one started by hand meanwhile won
                     return PoolLocation(sock, pid, started=False)
@@ -172,13 +174,15 @@ def ensure(pool: AutoPool) -> PoolLocation:
                     sock,
                 )
                 return PoolLocation(sock, proc.pid, started=True)
-            if proc.poll() is not None:
+            if not proc.running():
+                status = proc.status()
                 raise PoolStartFailed(
-                    f"the pool daemon started for {sock} exited with status {proc.returncode}: {_tail(sock)}"
+                    f"the pool daemon started for {sock} exited"
+                    + (f" with status {status}" if status is not None else "")
+                    + f": {_tail(sock)}"
                 )
             if time.monotonic() > deadline:
                 proc.kill()
-                proc.wait()
                 raise PoolStartFailed(
                     f"the pool daemon started for {sock} did not answer within {pool.start_timeout_s:g} s: "
                     f"{_tail(sock)}"
@@ -244,20 +248,70 @@ def _spawn_env_marks_unbind(platform: str | None = None) -> dict[str, str]:
     return env
 
 
-def _spawn(pool: AutoPool, sock: str) -> subprocess.Popen[bytes]:
+# The daemon runs detached from its starter's process tree: a shell backgrounds a subshell
+# (re-parented when the shell exits) that starts the daemon, prints its pid, waits for it and
+# appends its exit status to the log. A starter whose tree is killed as one (vLLM kills an
+# engine core's descendants when it does not stop within its shutdown timeout) thus does not
+# take the node's daemon, which other engines may share, with it.
+_DETACH = '( "$@" >&2 & echo $!; exec >&-; wait $!; echo "--- the pool daemon exited with status $?" >&2 ) &'
+_EXIT_LINE = re.compile(rb"--- the pool daemon exited with status (\d+)")
+
+
+@dataclass(frozen=True)
+class _Daemon:
+    """A daemon :func:`_spawn` started: its pid; not this process's child."""
+
+    pid: int
+    sock: str
+
+    def running(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, IndexError):
+            return False
+
+    def status(self, wait_s: float = 1.0) -> int | None:
+        """The exit status its subshell logged (None if not logged within ``wait_s``)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                with open(f"{self.sock}.log", "rb") as f:
+                    found = _EXIT_LINE.findall(f.read())
+            except OSError:
+                found = []
+            if found or time.monotonic() > deadline:
+                return int(found[-1]) if found else None
+            time.sleep(POLL_S)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _spawn(pool: AutoPool, sock: str) -> _Daemon:
     env = _spawn_env_marks_unbind(pool.platform)
     with open(f"{sock}.log", "ab") as out:
         out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} starts the daemon\n".encode())
         out.flush()
-        return subprocess.Popen(
-            command(pool, sock),
+        shell = subprocess.Popen(
+            ["/bin/sh", "-c", _DETACH, "sh", *command(pool, sock)],
             stdin=subprocess.DEVNULL,
-            stdout=out,
+            stdout=subprocess.PIPE,
             stderr=out,
             env=env,
             start_new_session=True,
             close_fds=True,
         )
+    assert shell.stdout is not None
+    with shell.stdout:
+        line = shell.stdout.readline().strip()
+    shell.wait()
+    if not line.isdigit():
+        raise PoolStartFailed(f"could not start the pool daemon for {sock}: {_tail(sock)}")
+    return _Daemon(int(line), sock)
 
 
 def _tail(sock: str) -> str:

@@ -211,8 +211,14 @@ class PoolDaemon:
             self.signals.event.wait()
         else:
             idle_since: float | None = time.monotonic()  # the start counts as idle
+            kept_by: list[str] = []
             while not self.signals.event.wait(min(IDLE_POLL_S, grace)):
-                if self.num_clients():
+                holders = self.holders()
+                if holders != kept_by:  # who keeps it alive, in its log, as it changes
+                    now_held = ", ".join(holders) or "none"
+                    log.info("kvfabric pool %r: clients now: %s", self.config.name, now_held)
+                    kept_by = holders
+                if holders:
                     idle_since = None
                     continue
                 now = time.monotonic()
@@ -225,6 +231,15 @@ class PoolDaemon:
                     )
                     break
         self.stop()
+
+    def holders(self) -> list[str]:
+        """What :meth:`num_clients` counts, one description each (peer process, rank)."""
+        pids = self.rpc.peer_pids() if self.rpc is not None else []
+        fabric = self.node.fabric if self.node is not None else None
+        members = [m for m in fabric.table.members if m.rank != fabric.rank] if fabric is not None else []
+        return [f"rpc connection of pid {pid or '?'}" for pid in pids] + [
+            f"fabric rank {m.rank} (pid {m.pid} on {m.node})" for m in members
+        ]
 
     def num_clients(self) -> int:
         """Clients now: open RPC connections, and ranks of the pool's fabric other than the

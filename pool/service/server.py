@@ -114,6 +114,7 @@ class RpcServer:
         self.tcp_port: int | None = None
         self._listeners: list[Listener] = []
         self._conns: set[Connection] = set()
+        self._peers: dict[Connection, int] = {}  # a connection's peer process (0: unknown)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -144,6 +145,11 @@ class RpcServer:
         with self._lock:
             return len(self._conns)
 
+    def peer_pids(self) -> list[int]:
+        """The peer process of each open connection (0 where unknown: TCP, or not read yet)."""
+        with self._lock:
+            return sorted(self._peers.get(c, 0) for c in self._conns)
+
     def _spawn(self, target: object, *args: object, name: str) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
         t.start()
@@ -169,6 +175,8 @@ class RpcServer:
 
     def _serve(self, conn: Connection, spin_s: float, tcp: bool = False) -> None:
         pid = _peer_pid(conn)
+        with self._lock:
+            self._peers[conn] = pid
         try:
             if tcp and self.token is not None and not _challenge(conn, self.token):
                 return
@@ -200,6 +208,7 @@ class RpcServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._peers.pop(conn, None)
             conn.close()
 
     def _tick_loop(self) -> None:

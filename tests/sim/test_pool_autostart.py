@@ -1,6 +1,7 @@
 """The node-local pool daemon started on demand (``kvfabric.pool.autostart``): processes
 racing to start it start exactly one; it exits once idle for its grace, removing its
-segments and socket; with no grace it stays; a daemon that cannot start is an error
+segments and socket; with no grace it stays; killing the process tree that started it
+leaves it; a daemon that cannot start is an error
 with its log."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 from daemon_exit import gone, wait_gone
 from kvf_testing import segments
@@ -91,6 +93,38 @@ def test_daemon_without_idle_grace_stays_until_sigterm(runtime, isolated_shm):
     finally:
         os.kill(loc.pid, signal.SIGTERM)
     wait_gone(loc.pid, loc.socket)
+    assert segments(isolated_shm) == []
+
+
+def _start_and_stay(pool: AutoPool, env: dict, out) -> None:
+    """Start the daemon as a client of it, report, and stay until killed."""
+    os.environ.update(env)
+    loc = ensure(pool)
+    client = connect(loc.socket, name=pool.name)
+    client.put("kept", b"k" * 100)
+    out.put(loc.pid)
+    time.sleep(120)
+
+
+def test_killing_the_starters_process_tree_leaves_the_daemon(runtime, isolated_shm):
+    """vLLM force-kills an engine core and all its descendants when it does not stop in
+    time: the daemon one of its workers started must not be among them (other engines on
+    the node may share it), and must still exit after its grace once that client is gone."""
+    pool = AutoPool(name="tree", dram=8 * MiB, exit_when_idle_s=1.0, platform="sim")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    env = {k: os.environ[k] for k in ("XDG_RUNTIME_DIR", "KVFABRIC_SHM_DIR", "KVFABRIC_PLATFORM")}
+    starter = ctx.Process(target=_start_and_stay, args=(pool, env, out))
+    starter.start()
+    pid = out.get(timeout=60)
+    tree = psutil.Process(starter.pid)
+    doomed = [tree, *tree.children(recursive=True)]
+    assert pid not in {p.pid for p in doomed}  # not a descendant of the process that started it
+    for proc in doomed:
+        proc.kill()
+    starter.join(10)
+    assert probe(pool.path) is not None and not gone(pid)  # it outlived its starter's tree
+    wait_gone(pid, pool.path)  # and then exits: the killed client's connection is gone
     assert segments(isolated_shm) == []
 
 
