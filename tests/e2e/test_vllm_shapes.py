@@ -10,7 +10,8 @@ go to an OTLP/HTTP receiver on 127.0.0.1 from both processes: each request's
 ``kvfabric.request`` root (the scheduler's process) is the parent of its ``kvfabric.load``
 / ``kvfabric.dump`` spans (the worker's process, linked through the traceparent the step
 plan carried), which lie inside it. A ``cache`` store alone cannot be shared by those
-processes: the engine refuses to start, naming the fix.
+processes: with the configuration vLLM builds for that shape, the connector refuses to
+start, naming the fix.
 """
 
 from __future__ import annotations
@@ -173,10 +174,30 @@ def test_readme_config_with_vllm_multiprocessing_hits_through_the_auto_started_d
     assert segments(isolated_shm) == []
 
 
-def test_a_cache_alone_across_vllm_processes_is_refused_at_start(tiny_model, capfd):
-    cfg = kvfabric_transfer_config("cache", cache_bytes="64MiB")
-    with pytest.raises(Exception):  # noqa: B017 - vLLM reports the engine core's failure as its own
-        make_engine(tiny_model, cfg, kv_bytes=64 << 20, in_process=False).close()
-    err = capfd.readouterr().err  # the engine core process's traceback
-    assert "keeps its blocks in the memory of one process" in err
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in err and "'cache|pool'" in err
+def test_a_cache_alone_across_vllm_processes_is_refused_at_start(tiny_model, monkeypatch):
+    """The configuration vLLM builds for its default multiprocessing (``mp`` executor on
+    the CPU build) makes the scheduler's connector refuse a store of one process, naming
+    the fix. Built from vLLM's own ``EngineArgs`` without starting an engine: the engine
+    would raise the same error from its core process at start-up."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvfabric.ucm_layer.connector.connector import KVFabricConnector
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    transfer = KVTransferConfig(**kvfabric_transfer_config("cache", cache_bytes="64MiB"))
+    args = EngineArgs(
+        model=tiny_model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=64 << 20,
+        kv_transfer_config=transfer,
+    )
+    config = args.create_engine_config()
+    assert config.parallel_config.distributed_executor_backend == "mp"  # vLLM's own choice
+    with pytest.raises(ValueError, match="keeps its blocks in the memory of one process") as e:
+        KVFabricConnector(config, KVConnectorRole.SCHEDULER)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in str(e.value) and "'cache|pool'" in str(e.value)
