@@ -62,6 +62,8 @@ def _verify_visible(store, plat, ids):
 def test_writer_killed_mid_dump_leaves_no_torn_block(store_spec, tmp_path, plat, spec):
     if lowest(store_spec) not in PERSISTENT:
         pytest.skip(f"{store_spec!r} keeps blocks in the writer's own memory: they die with it")
+    if spec.endswith("-fake") and store_spec.startswith("cache|"):
+        pytest.skip("the cache tier adds nothing to a killed writer's commit; its lowest tier runs here")
     # deterministic: the writer stalls in the middle of a block file, then is killed
     proc = _spawn_writer(store_spec, tmp_path, stall=True, seed=100, platform=spec)
     try:
