@@ -138,6 +138,20 @@ class PoolConfig:
         "with a new leader; 0: never, only their own puts)",
         lo=0,
     )
+    remote_read_timeout_s: float = setting(
+        1.0,
+        doc="clients: a synchronous read from another node's window not finished by then is a miss "
+        "(0: no bound; GvaConfig.remote_read_timeout)",
+        lo=0,
+        hi=3600,
+    )
+    remote_suspect_s: float = setting(
+        5.0,
+        doc="clients: copies to a node whose read timed out or whose copy failed fail at once this "
+        "long (GvaConfig.remote_suspect_time)",
+        lo=0,
+        hi=3600,
+    )
     kv_events_endpoint: str = setting(
         "", doc="ZMQ PUB address of KV events in vLLM's schema (tcp://*:5557; port 0: any; '' -> off)"
     )

@@ -56,6 +56,8 @@ def gva_config(info: dict[str, Any]) -> GvaConfig:
         hbm_stride=info["stride"],
         transports=tuple(t.strip() for t in info["transports"].split(",") if t.strip()),
         heartbeat_ttl=info.get("session_ttl_s", 10.0),
+        remote_read_timeout=info.get("remote_read_timeout_s", 1.0),
+        remote_suspect_time=info.get("remote_suspect_s", 5.0),
     )
 
 

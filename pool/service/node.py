@@ -173,6 +173,8 @@ class PoolNode:
                 "namespace": f"kvfabric/pool/{self.config.name}",
                 "transports": self.config.transports,
                 "session_ttl_s": self.config.session_ttl_s,
+                "remote_read_timeout_s": self.config.remote_read_timeout_s,
+                "remote_suspect_s": self.config.remote_suspect_s,
             },
         )
         if self.config.dram:

@@ -204,3 +204,15 @@ def test_status_without_a_daemon(tmp_path):
         text=True,
     )
     assert out.returncode == 1 and "not reachable" in out.stderr
+
+
+def test_the_pools_remote_bounds_reach_every_client(tmp_path, isolated_shm):
+    """``remote_read_timeout_s`` / ``remote_suspect_s`` of the pool config are what each
+    client's fabric (its remote transport) runs with."""
+    d = Daemon(tmp_path, extra={"remote_read_timeout_s": 0.25, "remote_suspect_s": 2}).start()
+    try:
+        with connect(d.socket, name="t") as c:
+            cfg = c.session.fabric.config
+            assert (cfg.remote_read_timeout, cfg.remote_suspect_time) == (0.25, 2.0)
+    finally:
+        assert d.stop() == 0
