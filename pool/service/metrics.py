@@ -98,6 +98,24 @@ class PoolMetrics:
             registry=r,
         )
         self.fences = Gauge("kvfabric_pool_fences", "write leases that expired before the commit", registry=r)
+        self.replica_extents = Gauge(
+            "kvfabric_pool_replica_extents", "extents holding a second or later copy of an object", registry=r
+        )
+        self.under_replicated = Gauge(
+            "kvfabric_pool_under_replicated",
+            "puts placed on fewer ranks than their replicas asked",
+            registry=r,
+        )
+        self.promoted = Gauge(
+            "kvfabric_pool_promoted",
+            "objects whose first extent left with its rank and a copy took over",
+            registry=r,
+        )
+        self.replicas_lost = Gauge(
+            "kvfabric_pool_replicas_lost",
+            "copies gone with their rank from objects that stayed readable",
+            registry=r,
+        )
         self._children: dict[str, tuple[Any, Any, Any]] = {}
         self.local = _LocalReads()
         r.register(self.local)
@@ -125,7 +143,12 @@ class PoolMetrics:
                 self.failures.labels(op, Status(code).name).inc()
 
     def update_state(self, service: MetaService) -> None:
-        self.objects.set(service.table.count)
+        replica_slots = service.replica_slots()
+        self.objects.set(service.table.count - replica_slots)  # as Info counts them
+        self.replica_extents.set(replica_slots)
+        self.under_replicated.set(service.counters.under_replicated)
+        self.promoted.set(service.counters.promoted)
+        self.replicas_lost.set(service.counters.replicas_lost)
         for row in service.capacity():
             labels = (str(row["rank"]), str(row["medium"]))
             self.used.labels(*labels).set(row["used"])

@@ -239,14 +239,6 @@ def _directory(daemon: Daemon) -> set[bytes]:
     return {key_from_text(k) for k in keys}
 
 
-def _metric(daemon: Daemon, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.ready['http_port']}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise KeyError(name)
-
-
 def test_two_engine_processes_share_one_pool_daemon(tiny_model, tmp_path, monkeypatch):
     """The second engine gets the first one's prefix; it then stores ten more prompts
     through a 4 MiB pool (64 blocks of 64 KiB: the pool evicts). The daemon's KV events
@@ -317,7 +309,7 @@ def test_two_engine_processes_share_one_pool_daemon(tiny_model, tmp_path, monkey
             ids = _connector_ids(sched._hasher, ours)
         finally:
             eng.close()
-        assert _metric(daemon, "kvfabric_pool_evicted_objects") > 0
+        assert daemon.metric("kvfabric_pool_evicted_objects") > 0
         deadline = time.monotonic() + 15
         while True:  # the daemon's stream settles on its directory
             want = _directory(daemon)

@@ -74,14 +74,6 @@ def _directory(d: Daemon) -> set[bytes]:
     return {key_from_text(k) for k in keys}
 
 
-def _metric(d: Daemon, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{d.ready['http_port']}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise KeyError(name)
-
-
 def _converge(d: Daemon, subs: list[tuple[ke.Subscriber, ke.BlockSet]], timeout: float = 15.0) -> set[bytes]:
     """The directory, once every subscriber's blocks equal it (the publisher sends what the
     service reported within 5 ms; with no call in flight the directory stays put). A
@@ -131,7 +123,7 @@ def test_events_rebuild_the_directory_through_evictions_removals_a_lost_rank_and
             for sub, blocks in subs:
                 sub.follow(blocks)
         c.put("greeting", b"hello")
-        assert _metric(d, "kvfabric_pool_evicted_objects") > 0
+        assert d.metric("kvfabric_pool_evicted_objects") > 0
         held = sorted(_directory(d) - {b"greeting"})
         node = _prefix(d, {"block_hashes": [b"greeting".hex()]})[1]["blocks"][0]["locations"][0]["node"]
         c.batch_remove(held[:5])
@@ -176,8 +168,8 @@ def test_events_rebuild_the_directory_through_evictions_removals_a_lost_rank_and
         late_blocks = ke.BlockSet()
         c.put("last", b"x")
         assert _converge(d, [(late, late_blocks)]) == final | {b"last"} and late.connects == 1
-        assert _metric(d, "kvfabric_pool_kv_event_replays_total") >= 3
-        assert _metric(d, "kvfabric_pool_kv_events_dropped_total") == 0
+        assert d.metric("kvfabric_pool_kv_event_replays_total") >= 3
+        assert d.metric("kvfabric_pool_kv_events_dropped_total") == 0
         late.close()
     finally:
         c.close()

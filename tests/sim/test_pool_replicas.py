@@ -119,6 +119,12 @@ def test_replicas_2_survive_a_killed_data_owner_with_every_byte_checked(tmp_path
             assert _read_all(reader, two, worst) == (len(two), 0)
         assert all([c.addr.decode(g)[1] for g in e] == [rank_b] for e in _extents(c, two))
         assert _read_all(c, lost, worst) == (0, 0)  # one copy, in the dead window: misses
+        # what /metrics says of it: each copy in the dead window of an object that stayed readable
+        # is lost (the 8 planted ones had dropped theirs), those that were first extents promoted
+        assert d.metric("kvfabric_pool_replicas_lost") == len(two) - 8
+        assert 0 < d.metric("kvfabric_pool_promoted") <= len(two) - 8
+        assert d.metric("kvfabric_pool_replica_extents") == 0
+        assert d.metric("kvfabric_pool_objects") == len(two) + len(one) - len(lost)
         assert worst[0] < 2.0, f"a read blocked {worst[0]:.2f} s"
 
         # the survivor knows what its window holds (what it re-registers with a new leader)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,15 @@ class Daemon:
                 self.ready = json.loads(line)
                 return self
         raise TimeoutError("pool daemon did not become ready")
+
+    def metric(self, name: str) -> float:
+        """The unlabelled sample ``name`` of the daemon's ``/metrics`` (KeyError if absent)."""
+        url = f"http://127.0.0.1:{self.ready['http_port']}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise KeyError(name)
 
     def kill(self) -> None:
         if self.proc is not None:
