@@ -62,7 +62,9 @@ def read_rows(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
 def fit_prefill(points: Sequence[tuple[int, int, float]]) -> tuple[float, float, float]:
     """``(base_s, tokens_per_s, attn_s)`` fitting ``seconds = base + n / tps + attn * n *
     (c + n / 2)`` to ``(new tokens n, cached tokens c, seconds)`` points; a term the fit
-    makes negative is dropped and the rest refitted."""
+    makes negative is dropped and the rest refitted; a per-token term the attention term
+    drives negative (points that grow faster than linearly, e.g. noise on short prompts)
+    drops the attention term instead, so time that grows with length always fits."""
     if len(points) < 2:
         raise ValueError(f"fitting prefill needs at least 2 (tokens, seconds) points, got {len(points)}")
     a = np.array([[1.0, n, n * (c + n / 2)] for n, c, _ in points])
@@ -71,6 +73,8 @@ def fit_prefill(points: Sequence[tuple[int, int, float]]) -> tuple[float, float,
     while True:
         coef, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
         neg = [k for k, v in zip(keep, coef) if v < 0 and k != 1]
+        if not neg and 2 in keep and coef[keep.index(1)] <= 0:
+            neg = [2]
         if not neg:
             break
         keep.remove(neg[0])

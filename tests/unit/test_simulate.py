@@ -221,6 +221,16 @@ def test_fit_prefill_recovers_the_terms():
     assert (base, tps, attn) == (pytest.approx(0.05), pytest.approx(2000), pytest.approx(1e-7))
 
 
+def test_fit_prefill_of_points_growing_faster_than_a_line_keeps_a_per_token_cost():
+    # probes of a loaded run (a tiny model): the three-term fit drove the per-token term
+    # negative and the fit refused points that grow with length; now the attention term goes
+    base, tps, attn = fit_prefill([(96, 0, 0.027), (320, 0, 0.033), (640, 0, 0.057)])
+    assert attn == 0 and tps > 0 and base > 0
+    assert base + 640 / tps == pytest.approx(0.057, rel=0.15)  # a line through them
+    with pytest.raises(ValueError, match="does not grow"):
+        fit_prefill([(96, 0, 0.05), (320, 0, 0.04), (640, 0, 0.03)])
+
+
 def test_fit_load_line_and_unresolved_per_byte_cost():
     line = [(b, 0.1 + b / 2e9) for b in (1e6, 4e6, 9e6)]
     assert fit_load(line) == (pytest.approx(0.1), pytest.approx(2.0))
