@@ -259,10 +259,12 @@ _EXIT_LINE = re.compile(rb"--- the pool daemon exited with status (\d+)")
 
 @dataclass(frozen=True)
 class _Daemon:
-    """A daemon :func:`_spawn` started: its pid; not this process's child."""
+    """A daemon :func:`_spawn` started: its pid (not this process's child) and where its
+    run's part of the log begins (earlier runs appended their own exit lines)."""
 
     pid: int
     sock: str
+    log_from: int
 
     def running(self) -> bool:
         try:
@@ -277,6 +279,7 @@ class _Daemon:
         while True:
             try:
                 with open(f"{self.sock}.log", "rb") as f:
+                    f.seek(self.log_from)
                     found = _EXIT_LINE.findall(f.read())
             except OSError:
                 found = []
@@ -296,6 +299,7 @@ def _spawn(pool: AutoPool, sock: str) -> _Daemon:
     with open(f"{sock}.log", "ab") as out:
         out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} starts the daemon\n".encode())
         out.flush()
+        log_from = out.tell()
         shell = subprocess.Popen(
             ["/bin/sh", "-c", _DETACH, "sh", *command(pool, sock)],
             stdin=subprocess.DEVNULL,
@@ -311,7 +315,7 @@ def _spawn(pool: AutoPool, sock: str) -> _Daemon:
     shell.wait()
     if not line.isdigit():
         raise PoolStartFailed(f"could not start the pool daemon for {sock}: {_tail(sock)}")
-    return _Daemon(int(line), sock)
+    return _Daemon(int(line), sock, log_from)
 
 
 def _tail(sock: str) -> str:
