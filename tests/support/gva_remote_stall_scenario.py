@@ -44,6 +44,26 @@ def timed_read(a: Fabric, dst: object, src: int, n: int) -> tuple[float, str]:
     return round(time.monotonic() - t0, 3), outcome
 
 
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped: ``kill`` returns
+    before a thread running on the other core stops, and a read sent in that moment is served."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # a thread that exited
+        if all(st in ("T", "t") for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"pid {pid} did not stop within {timeout} s: thread states {states}")
+        time.sleep(0.001)
+
+
 def main() -> None:
     out: dict[str, object] = {"timeout": TIMEOUT}
     cfg = GvaConfig(node="node-a", transports=REMOTE, remote_read_timeout=TIMEOUT, remote_suspect_time=60)
@@ -63,8 +83,8 @@ def main() -> None:
             out["first_read"] = timed_read(a, dst, gb, PIECE)[1]
             out["first_bytes_ok"] = bool((view[:PIECE] == want[:PIECE]).all())
             view[:] = SENTINEL
-            os.kill(b.proc.pid, signal.SIGSTOP)
             stopped = True
+            freeze(b.proc.pid)
             # the single piece (copy_one) and the batch path (what the pool's reads use)
             out["stalled_s"], out["stalled"] = timed_read(a, dst, gb + PIECE, PIECE)
             out["untouched_after_stall"] = bool((view == SENTINEL).all())
