@@ -192,6 +192,46 @@ def _next_tick() -> None:
         time.sleep(0.005)
 
 
+def _compared(p_hit: float, m_hit: float, p_ttfts: list[float], m_ttfts: list[float]) -> dict[str, Any]:
+    """The comparison fields of a ``validate`` row: hit rates and TTFT percentiles, predicted
+    and measured, their differences and whether they meet the targets."""
+    p_ttft, m_ttft = statistics.median(p_ttfts), statistics.median(m_ttfts)
+    rel = abs(p_ttft - m_ttft) / m_ttft
+    return {
+        "predicted_hit_rate": round(p_hit, 4),
+        "measured_hit_rate": round(m_hit, 4),
+        "hit_rate_diff_points": round(100 * (p_hit - m_hit), 2),
+        "predicted_ttft_p50_s": round(p_ttft, 4),
+        "measured_ttft_p50_s": round(m_ttft, 4),
+        "ttft_p50_rel_error": round(rel, 3),
+        "predicted_ttft_p99_s": round(float(np.percentile(p_ttfts, 99)), 4),
+        "measured_ttft_p99_s": round(float(np.percentile(m_ttfts, 99)), 4),
+        "hit_within_5_points": abs(p_hit - m_hit) <= HIT_POINTS,
+        "ttft_within_25_percent": rel <= TTFT_REL,
+    }
+
+
+def _run_facts(
+    cold: dict[int, list[float]], warm: list[tuple[int, int, float]], gbps: float, engine_s: float
+) -> dict[str, Any]:
+    """What a ``validate`` row says of the run: its probes, memcpy rate, time and load."""
+    return {
+        "engine_s": round(engine_s, 1),
+        "probes_cold_s": {str(n): [round(t, 3) for t in v] for n, v in cold.items()},
+        "probes_warm": [[n, k, round(t, 3)] for n, k, t in warm],  # prompt tokens, loaded blocks, TTFT
+        "memcpy_gbps": round(gbps, 2),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "ncpu": os.cpu_count(),
+    }
+
+
+def _calibration_row(cal: Calibration) -> dict[str, Any]:
+    return {
+        "case": "calibration",
+        **{k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(cal).items()},
+    }
+
+
 def run(
     quick: bool = True,
     out_dir: str | os.PathLike[str] | None = None,
@@ -286,9 +326,6 @@ def run(
     pred = [predicted[i] for i in trace_at]
     p_hit = sum(h for _, h, _ in pred) / max(1, sum(c for _, _, c in pred))
     m_hit = sum(h for _, h, _ in measured) / max(1, sum(c for _, _, c in measured))
-    p_ttft = statistics.median(t for t, _, _ in pred)
-    m_ttft = statistics.median(t for t, _, _ in measured)
-    rel = abs(p_ttft - m_ttft) / m_ttft
     if out_dir is not None:
         lines = [{"arrival_s": r.arrival_s, "tokens": p, "output_tokens": o} for r, (p, o) in zip(reqs, seq)]
         _write_out(out_dir, "validate", lines, cal, cluster)
@@ -296,30 +333,13 @@ def run(
         "case": "validate",
         "quick": quick,
         "requests": len(measured),
-        "predicted_hit_rate": round(p_hit, 4),
-        "measured_hit_rate": round(m_hit, 4),
-        "hit_rate_diff_points": round(100 * (p_hit - m_hit), 2),
-        "predicted_ttft_p50_s": round(p_ttft, 4),
-        "measured_ttft_p50_s": round(m_ttft, 4),
-        "ttft_p50_rel_error": round(rel, 3),
-        "predicted_ttft_p99_s": round(float(np.percentile([t for t, _, _ in pred], 99)), 4),
-        "measured_ttft_p99_s": round(float(np.percentile([t for t, _, _ in measured], 99)), 4),
-        "hit_within_5_points": abs(p_hit - m_hit) <= HIT_POINTS,
-        "ttft_within_25_percent": rel <= TTFT_REL,
+        **_compared(p_hit, m_hit, [t for t, _, _ in pred], [t for t, _, _ in measured]),
         "pool_bytes": pool_bytes,
         "block_bytes": block_bytes,
         "predicted_evictions": rep.evictions["dram"],
-        "engine_s": round(engine_s, 1),
-        "probes_cold_s": {str(n): [round(t, 3) for t in v] for n, v in cold.items()},
-        "probes_warm": [[n, k, round(t, 3)] for n, k, t in warm],  # prompt tokens, loaded blocks, TTFT
-        "memcpy_gbps": round(gbps, 2),
-        "loadavg_1m": round(os.getloadavg()[0], 2),
-        "ncpu": os.cpu_count(),
+        **_run_facts(cold, warm, gbps, engine_s),
     }
-    yield {
-        "case": "calibration",
-        **{k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(cal).items()},
-    }
+    yield _calibration_row(cal)
 
 
 SERVE_SEED = 505  #: seed of the serve workload's prompts and arrivals here (bench serve's are its own)
@@ -427,9 +447,6 @@ def run_serve(
     prompt_tokens = sum(r.prompt_tokens for r in records)
     p_hit = sum(h * BLOCK for _, h in pred) / prompt_tokens
     m_hit = sum(r.cached_tokens for r in records) / prompt_tokens
-    p_ttft = statistics.median(t for t, _ in pred)
-    m_ttft = statistics.median(r.ttft_s for r in records)
-    rel = abs(p_ttft - m_ttft) / m_ttft
     if out_dir is not None:
         lines = [{"arrival_s": t, "tokens": p, "output_tokens": o} for t, (p, o, _) in zip(arrivals, seq)]
         _write_out(out_dir, "serve", lines, cal, cluster)
@@ -440,31 +457,14 @@ def run_serve(
         "quick": quick,
         "requests": len(records),
         "qps": round(qps, 4),
-        "predicted_hit_rate": round(p_hit, 4),
-        "measured_hit_rate": round(m_hit, 4),
-        "hit_rate_diff_points": round(100 * (p_hit - m_hit), 2),
-        "predicted_ttft_p50_s": round(p_ttft, 4),
-        "measured_ttft_p50_s": round(m_ttft, 4),
-        "ttft_p50_rel_error": round(rel, 3),
-        "predicted_ttft_p99_s": round(float(np.percentile([t for t, _ in pred], 99)), 4),
-        "measured_ttft_p99_s": round(float(np.percentile([r.ttft_s for r in records], 99)), 4),
-        "hit_within_5_points": abs(p_hit - m_hit) <= HIT_POINTS,
-        "ttft_within_25_percent": rel <= TTFT_REL,
+        **_compared(p_hit, m_hit, [t for t, _ in pred], [r.ttft_s for r in records]),
         "measured_wall_s": round(wall, 3),
         "pool_bytes": pool_bytes,
         "block_bytes": block_bytes,
         "predicted_evictions": rep.evictions["dram"],
-        "engine_s": round(engine_s, 1),
-        "probes_cold_s": {str(n): [round(t, 3) for t in v] for n, v in cold.items()},
-        "probes_warm": [[n, k, round(t, 3)] for n, k, t in warm],
-        "memcpy_gbps": round(gbps, 2),
-        "loadavg_1m": round(os.getloadavg()[0], 2),
-        "ncpu": os.cpu_count(),
+        **_run_facts(cold, warm, gbps, engine_s),
     }
-    yield {
-        "case": "calibration",
-        **{k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(cal).items()},
-    }
+    yield _calibration_row(cal)
 
 
 __all__ = ["FULL", "QUICK", "SERVE_SEED", "Plan", "run", "run_serve"]

@@ -333,3 +333,13 @@ def test_cli_calibrate_writes_what_sim_reads(tmp_path, capsys):
     assert main(["sim", "--trace", str(trace), "--calibration", str(out), "--no-progress", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert row["ttft_p50_s"] == pytest.approx(cal.prefill_s(70, 0))
+
+
+def test_a_validate_rows_comparison_fields():
+    from kvfabric.simulate.validate import _compared
+
+    row = _compared(0.52, 0.50, [0.1, 0.2, 0.3], [0.1, 0.25, 0.4])
+    assert row["hit_rate_diff_points"] == 2.0 and row["hit_within_5_points"]
+    assert (row["predicted_ttft_p50_s"], row["measured_ttft_p50_s"]) == (0.2, 0.25)
+    assert row["ttft_p50_rel_error"] == 0.2 and row["ttft_within_25_percent"]
+    assert not _compared(0.6, 0.5, [0.1], [0.2])["hit_within_5_points"]
