@@ -8,24 +8,14 @@ read given up completed late) and that the peer is suspect, then cleared.
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
-from kvf_testing import REPO
-from netns import run_isolated, why_not
+from netns import scenario
 
 from kvfabric.pool.gva.config import GvaConfig
 
 
 def test_stalled_peer_read_gives_up_in_time_and_never_lands_in_the_destination():
-    reason = why_not()
-    if reason is not None:
-        pytest.skip(reason)
-    script = REPO / "tests" / "support" / "gva_remote_stall_scenario.py"
-    r = run_isolated([sys.executable, str(script)], timeout=120)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = scenario("gva_remote_stall_scenario.py", timeout=120)
     bound = out["timeout"]
     assert out["first_read"] == "ok" and out["first_bytes_ok"] is True, out
     # frozen peer: the read fails at the deadline, not at the engine's own 30 s

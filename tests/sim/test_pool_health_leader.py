@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from etcd_server import etcd_binary, etcd_server
-from pool_testing import Daemon
+from pool_testing import Daemon, campaigning_daemons
 
 needs_etcd = pytest.mark.skipif(etcd_binary() is None, reason="etcd not installed (etcd-server)")
 
@@ -47,24 +47,9 @@ def test_a_standby_says_it_is_not_the_leader_and_turns_ready_when_it_leads(tmp_p
     ds: list[Daemon] = []
     with etcd_server() as etcd:
         try:
-            for i in range(2):
-                shm = tmp_path / f"node{i}"
-                shm.mkdir()
-                extra = {
-                    "tcp": "127.0.0.1:0",
-                    "token": TOKEN,
-                    "rendezvous": etcd,
-                    "leader_election": "true",
-                    "leader_ttl_s": 2,
-                    "write_lease_s": 0.5,
-                    "session_ttl_s": 3.0,
-                    "pretouch": "false",
-                    "rpc_spin_us": 0,
-                }
-                env = {"KVFABRIC_SHM_DIR": str(shm)}
-                ds.append(Daemon(tmp_path, name="hl", dram="0", extra=extra, env=env, tag=f"-{i}").launch())
-            for d in ds:
-                d.wait_ready(60)
+            ds = campaigning_daemons(
+                tmp_path, tmp_path, etcd, "hl", 2, TOKEN, leader_ttl_s=2, write_lease_s=0.5
+            )
 
             def roles() -> dict[str, Daemon] | None:
                 by = {_health(d)[1]["role"]: d for d in ds}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from etcd_server import etcd_binary, etcd_server
-from pool_testing import Daemon, content
+from pool_testing import Daemon, campaigning_daemons, content
 
 from kvfabric.errors import KeyNotFound, ServiceUnavailable
 from kvfabric.pool import EmbeddedPool, PoolConfig, connect
@@ -49,27 +49,7 @@ def etcd():
 
 def _daemons(tmp: Path, shm: Path, etcd: str, pool: str, n: int) -> list[Daemon]:
     """``n`` daemons of pool ``pool``, each a node of its own (shared-memory directory)."""
-    out = []
-    for i in range(n):
-        node_shm = shm / f"node{i}"
-        node_shm.mkdir()
-        extra = {
-            "tcp": "127.0.0.1:0",
-            "token": TOKEN,
-            "rendezvous": etcd,
-            "leader_election": "true",
-            "leader_ttl_s": TTL,
-            "write_lease_s": 1.0,
-            "session_ttl_s": 3.0,
-            "pretouch": "false",
-            "rpc_spin_us": 0,
-        }
-        env = {"KVFABRIC_SHM_DIR": str(node_shm)}
-        d = Daemon(tmp, name=pool, dram="0", extra=extra, env=env, tag=f"-{i}")
-        out.append(d.launch())
-    for d in out:
-        d.wait_ready(60)
-    return out
+    return campaigning_daemons(tmp, shm, etcd, pool, n, TOKEN, leader_ttl_s=TTL, write_lease_s=1.0)
 
 
 def _info(d: Daemon) -> dict:

@@ -118,6 +118,34 @@ class Daemon:
         return self.proc.wait(30)
 
 
+def campaigning_daemons(
+    tmp: Path, shm: Path, etcd: str, pool: str, n: int, token: str, leader_ttl_s: int, write_lease_s: float
+) -> list[Daemon]:
+    """``n`` daemons of pool ``pool`` under leader election through ``etcd``, each a node of
+    its own (a shared-memory directory under ``shm``), on TCP with ``token``; started
+    together, returned once all are ready."""
+    out = []
+    for i in range(n):
+        node_shm = shm / f"node{i}"
+        node_shm.mkdir()
+        extra = {
+            "tcp": "127.0.0.1:0",
+            "token": token,
+            "rendezvous": etcd,
+            "leader_election": "true",
+            "leader_ttl_s": leader_ttl_s,
+            "write_lease_s": write_lease_s,
+            "session_ttl_s": 3.0,
+            "pretouch": "false",
+            "rpc_spin_us": 0,
+        }
+        env = {"KVFABRIC_SHM_DIR": str(node_shm)}
+        out.append(Daemon(tmp, name=pool, dram="0", extra=extra, env=env, tag=f"-{i}").launch())
+    for d in out:
+        d.wait_ready(60)
+    return out
+
+
 def kill_leftovers() -> None:
     """Kill every daemon a test started and did not stop."""
     while Daemon.started:
