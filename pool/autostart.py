@@ -267,11 +267,9 @@ class _Daemon:
     log_from: int
 
     def running(self) -> bool:
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except (FileNotFoundError, IndexError):
-            return False
+        from kvfabric.pool.gva.rendezvous.peer import ProcState, process_state
+
+        return process_state(self.pid) is not ProcState.DEAD  # a zombie counts as exited
 
     def status(self, wait_s: float = 1.0) -> int | None:
         """The exit status its subshell logged (None if not logged within ``wait_s``)."""

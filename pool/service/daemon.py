@@ -203,7 +203,7 @@ class PoolDaemon:
         """Block until SIGTERM/SIGINT (or ``stop()``), then shut down cleanly. Installs
         the signal handler itself if the caller did not (main thread only). With
         ``exit_when_idle_s`` set, also returns (and shuts down) once no client has been
-        connected for that long (:meth:`idle_for`)."""
+        connected for that long (:meth:`holders`)."""
         if not self.signals.installed:
             self.signals.install()
         grace = self.config.exit_when_idle_s
@@ -233,21 +233,15 @@ class PoolDaemon:
         self.stop()
 
     def holders(self) -> list[str]:
-        """What :meth:`num_clients` counts, one description each (peer process, rank)."""
+        """The clients that keep an idle-exiting daemon alive, one description each: open RPC
+        connections (by peer process), and ranks of the pool's fabric other than the daemon's
+        own (a client that joined but holds no RPC connection at the moment)."""
         pids = self.rpc.peer_pids() if self.rpc is not None else []
         fabric = self.node.fabric if self.node is not None else None
         members = [m for m in fabric.table.members if m.rank != fabric.rank] if fabric is not None else []
         return [f"rpc connection of pid {pid or '?'}" for pid in pids] + [
             f"fabric rank {m.rank} (pid {m.pid} on {m.node})" for m in members
         ]
-
-    def num_clients(self) -> int:
-        """Clients now: open RPC connections, and ranks of the pool's fabric other than the
-        daemon's own (a client that joined but holds no RPC connection at the moment)."""
-        conns = self.rpc.num_connections if self.rpc is not None else 0
-        fabric = self.node.fabric if self.node is not None else None
-        ranks = sum(1 for m in fabric.table.members if m.rank != fabric.rank) if fabric is not None else 0
-        return conns + ranks
 
     def stop(self) -> None:
         """Stop serving and release everything, the locks last. Idempotent; also the

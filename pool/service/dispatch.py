@@ -103,9 +103,8 @@ class Dispatcher:
         return reply
 
     def tick(self) -> None:
-        with self.lock:
+        with self.lock:  # the state gauges are refreshed when /metrics is read, not here
             self.service.tick()
-            self.metrics.update_state(self.service)
 
     def apply_table(self, table: SegmentTable) -> None:
         """Make the service's windows match the fabric's segment table."""

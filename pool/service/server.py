@@ -113,8 +113,7 @@ class RpcServer:
         self._serving = 0  # connection threads handling a request now
         self.tcp_port: int | None = None
         self._listeners: list[Listener] = []
-        self._conns: set[Connection] = set()
-        self._peers: dict[Connection, int] = {}  # a connection's peer process (0: unknown)
+        self._conns: dict[Connection, int] = {}  # open connection -> its peer process (0: unknown)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -139,16 +138,11 @@ class RpcServer:
             self._spawn(self._accept_loop, lst, name="kvfabric-pool-accept")
         self._spawn(self._tick_loop, name="kvfabric-pool-tick")
 
-    @property
-    def num_connections(self) -> int:
-        """Client connections open now (the daemon's idle exit counts them)."""
-        with self._lock:
-            return len(self._conns)
-
     def peer_pids(self) -> list[int]:
-        """The peer process of each open connection (0 where unknown: TCP, or not read yet)."""
+        """The peer process of each open connection (0 where unknown: TCP, or not read yet);
+        the daemon's idle exit counts them."""
         with self._lock:
-            return sorted(self._peers.get(c, 0) for c in self._conns)
+            return sorted(self._conns.values())
 
     def _spawn(self, target: object, *args: object, name: str) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
@@ -168,7 +162,7 @@ class RpcServer:
                 log.warning("refused a pool connection: %s", e)
                 continue
             with self._lock:
-                self._conns.add(conn)
+                self._conns[conn] = 0  # its peer is read by the connection's thread
             unix = listener is self._listeners[0]
             spin_s = self.spin_s if unix else 0.0
             self._spawn(self._serve, conn, spin_s, not unix, name="kvfabric-pool-conn")
@@ -176,7 +170,7 @@ class RpcServer:
     def _serve(self, conn: Connection, spin_s: float, tcp: bool = False) -> None:
         pid = _peer_pid(conn)
         with self._lock:
-            self._peers[conn] = pid
+            self._conns[conn] = pid
         try:
             if tcp and self.token is not None and not _challenge(conn, self.token):
                 return
@@ -207,8 +201,7 @@ class RpcServer:
                     return
         finally:
             with self._lock:
-                self._conns.discard(conn)
-                self._peers.pop(conn, None)
+                self._conns.pop(conn, None)
             conn.close()
 
     def _tick_loop(self) -> None:

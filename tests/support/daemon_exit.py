@@ -6,16 +6,12 @@ import os
 import re
 import time
 
+from kvfabric.pool.gva.rendezvous.peer import ProcState, process_state
+
 
 def gone(pid: int | None) -> bool:
     """The process exited (a zombie counts as exited: it holds nothing)."""
-    if pid is None:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    return pid is None or process_state(pid) is ProcState.DEAD
 
 
 def wait_gone(pid: int | None, socket: str, timeout: float = 30.0) -> None:

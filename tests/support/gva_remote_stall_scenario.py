@@ -24,6 +24,7 @@ from gva_worker import Worker, pattern
 from kvfabric.errors import TransferFailed
 from kvfabric.pool.gva.config import GvaConfig
 from kvfabric.pool.gva.fabric import Fabric
+from kvfabric.pool.gva.rendezvous.peer import ProcState, process_state
 from kvfabric.pool.gva.rendezvous.server import RendezvousServer
 from kvfabric.status import ItemStatus
 
@@ -50,14 +51,8 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:
-                continue  # a thread that exited
-        if all(st in ("T", "t") for st in states):
+        states = [process_state(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]  # a thread's stat
+        if all(st in (ProcState.STOPPED, ProcState.DEAD) for st in states):  # DEAD: a thread that exited
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"pid {pid} did not stop within {timeout} s: thread states {states}")
