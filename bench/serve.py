@@ -11,8 +11,9 @@ per phase), so every configuration sees the same reuse pattern. vLLM's KV cache 
 ``kv_cache_tokens`` (its own prefix cache lives in it), below a phase's working set, so
 what an external tier holds is what it adds.
 
-Configurations, each an engine in its own process (``bench/serve_worker.py``) that lives
-for the whole run; all are started at once, then they take turns, one engine serving at a
+Configurations (``bench/serve_configs.py``), each an engine in its own process
+(``bench/serve_worker.py``, driven through ``bench/serve_procs.py``) that lives for the
+whole run; all are started at once, then they take turns, one engine serving at a
 time (a crash or a timeout becomes a row with the error):
 
 * ``vllm`` (baseline): vLLM alone, its own prefix cache on;
@@ -53,21 +54,30 @@ run's pool (named after ``POOL_NAME``) still there (0 expected).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import asdict
 from typing import Any
 
 from kvfabric.bench.report import BenchContext, cpu_busy_fraction, machine_note, read_cpu_row
+from kvfabric.bench.serve_configs import Config, configs, variants
+from kvfabric.bench.serve_procs import (
+    POOL_NAME,
+    Worker,
+    error_text,
+    say,
+    shm_entries,
+    start_mooncake,
+    start_pool,
+    stop_group,
+    wait_for_machine,
+)
 from kvfabric.bench.serve_workload import (
     FULL,
     QUICK,
@@ -83,340 +93,13 @@ from kvfabric.bench.serve_workload import (
     phase_stats,
 )
 
-POOL_NAME = "kvf-bench-serve"
 SEEDS = {Phase.SATURATION: 101, Phase.RATE: 202}
 SECOND_ENGINE_SEED = 303
 FLOOR_SEED = 404
 
 
-@dataclass(frozen=True)
-class Config:
-    """One configuration: a name, its kind, its ``kv_transfer_config`` (None: vLLM alone),
-    whether it measures the floor, and whether it re-serves the saturation prefixes as a
-    second engine."""
-
-    name: str
-    kind: ConfigKind
-    transfer: dict[str, Any] | None
-    floor: bool = False
-    second_engine: bool = False
-    needs_module: str | None = None  # a package the connector imports: checked before an engine starts
-    refusal: Callable[[], str | None] | None = None  # the platform condition it refuses at start (--quick)
-
-
-def _offloading_refusal() -> str | None:
-    """vLLM's CPU offloading spec builds its worker only on CUDA-alike and XPU platforms."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda_alike() or current_platform.is_xpu():
-        return None
-    return (
-        "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs "
-        f"(platform {type(current_platform).__name__}; checked before starting an engine)"
-    )
-
-
-def _simple_offload_refusal() -> str | None:
-    """vLLM's simple CPU offload worker asks ``torch.cuda.Stream.priority_range()``."""
-    import torch
-
-    if callable(getattr(torch.cuda.Stream, "priority_range", None)):
-        return None
-    return (
-        "AttributeError: torch.cuda.Stream has no attribute 'priority_range' "
-        "(this torch build has no CUDA streams; checked before starting an engine)"
-    )
-
-
-def _say(msg: str) -> None:
-    print(f"[serve] {msg}", file=sys.stderr, flush=True)
-
-
-def configs(tmp: str, pool_socket: str, preset: Preset, bytes_per_token: int) -> list[Config]:
-    """The configurations in run order (see the module docstring)."""
-    from kvfabric.harness.engine import example_transfer_config, kvfabric_transfer_config
-
-    tier = 3 * preset.working_set_tokens * bytes_per_token  # both phases and the floor fit
-    pool = kvfabric_transfer_config("cache|pool", cache_bytes=str(tier), pool_address=pool_socket)
-    both = {"kv_role": "kv_both"}
-    return [
-        Config("vllm", ConfigKind.BASELINE, None),
-        Config("ExampleConnector", ConfigKind.PEER, example_transfer_config(f"{tmp}/example")),
-        Config(
-            "OffloadingConnector",
-            ConfigKind.PEER,
-            {
-                "kv_connector": "OffloadingConnector",
-                **both,
-                "kv_connector_extra_config": {"cpu_bytes_to_use": tier},
-            },
-            refusal=_offloading_refusal,
-        ),
-        Config(
-            "SimpleCPUOffloadConnector",
-            ConfigKind.PEER,
-            {
-                "kv_connector": "SimpleCPUOffloadConnector",
-                **both,
-                "kv_connector_extra_config": {"cpu_bytes_to_use": tier},
-            },
-            refusal=_simple_offload_refusal,
-        ),
-        Config(
-            "LMCacheConnectorV1",
-            ConfigKind.PEER,
-            {"kv_connector": "LMCacheConnectorV1", **both},
-            needs_module="lmcache",
-        ),
-        Config("MooncakeStoreConnector", ConfigKind.PEER, {"kv_connector": "MooncakeStoreConnector", **both}),
-        Config("kvfabric cache|pool", ConfigKind.KVFABRIC, pool, floor=True),
-        Config("kvfabric posix", ConfigKind.KVFABRIC, kvfabric_transfer_config("posix", f"{tmp}/posix")),
-        Config("kvfabric cache|pool, second engine", ConfigKind.KVFABRIC, pool, second_engine=True),
-    ]
-
-
-def variants(tmp: str, pool_socket: str, preset: Preset, bytes_per_token: int) -> list[Config]:
-    """kvfabric with one setting changed, run only when ``KVFABRIC_BENCH_SERVE_CONFIGS``
-    names them (to see what one part of the connector's path costs)."""
-    from kvfabric.harness.engine import kvfabric_transfer_config
-
-    tier = str(3 * preset.working_set_tokens * bytes_per_token)
-    kvf = ConfigKind.KVFABRIC
-    return [
-        Config(
-            "kvfabric cache|pool, sync load",
-            kvf,
-            kvfabric_transfer_config(
-                "cache|pool", cache_bytes=tier, pool_address=pool_socket, async_load=False
-            ),
-        ),
-        Config(
-            "kvfabric cache|pool, delegator",  # dumps release vLLM's blocks once gathered
-            kvf,
-            kvfabric_transfer_config(
-                "cache|pool", cache_bytes=tier, pool_address=pool_socket, delegator=True
-            ),
-        ),
-        Config(
-            "kvfabric cache|pool, write behind",  # dumps end once in the cache tier
-            kvf,
-            kvfabric_transfer_config(
-                "cache|pool",
-                cache_bytes=tier,
-                pool_address=pool_socket,
-                store_options={"pipeline.write": "behind"},
-            ),
-        ),
-        Config(
-            "kvfabric pool",
-            kvf,
-            kvfabric_transfer_config("pool", pool_address=pool_socket),
-        ),
-        Config("kvfabric cache", kvf, kvfabric_transfer_config("cache", cache_bytes=tier)),
-        Config(
-            "kvfabric posix, sync load",
-            kvf,
-            kvfabric_transfer_config("posix", f"{tmp}/posix-sync", async_load=False),
-        ),
-    ]
-
-
-def _other_engines() -> list[str]:
-    """Command lines of other processes that run a vLLM engine: named ``EngineCore``
-    (vLLM's engine-core process), or with vLLM's compiled ops mapped (an engine in
-    process, e.g. another benchmark)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            if "EngineCore" in cmd and "pgrep" not in cmd:
-                found.append(f"{pid} {cmd}")
-                continue
-            with open(f"/proc/{pid}/maps", "rb") as f:
-                if b"/vllm/_C" in f.read():
-                    found.append(f"{pid} {cmd}")
-        except OSError:
-            continue
-    return found
-
-
-def _wait_for_machine(max_wait_s: float = 900.0) -> float:
-    """Wait while another engine runs on this machine (at most ``max_wait_s``); seconds waited."""
-    t0 = time.perf_counter()
-    while (others := _other_engines()) and time.perf_counter() - t0 < max_wait_s:
-        _say(f"waiting: another engine runs ({others[0][:80]})")
-        time.sleep(10)
-    return time.perf_counter() - t0
-
-
 def _terminate(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-def _shm() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
-def _start_pool(tmp: str, dram: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
-    from kvfabric.pool.autostart import probe
-
-    sock = f"{tmp}/pool.sock"
-    log = open(f"{tmp}/pool.log", "ab")  # noqa: SIM115 - the daemon's stdout for its life
-    cmd = [sys.executable, "-m", "kvfabric.cli", "pool", "serve", "--name", POOL_NAME]
-    cmd += ["--dram", str(dram), "--socket", sock]
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
-    )
-    deadline = time.perf_counter() + 120
-    while time.perf_counter() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"pool daemon exited ({proc.returncode}): {Path(f'{tmp}/pool.log').read_text()[-2000:]}"
-            )
-        if os.path.exists(sock) and probe(sock) is not None:
-            return proc, sock
-        time.sleep(0.2)
-    raise RuntimeError("pool daemon did not answer within 120 s")
-
-
-def _stop_group(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    """SIGTERM the process group ``proc`` leads, SIGKILL it after ``timeout``, reap ``proc``."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    if proc.poll() is None:
-        proc.wait()
-
-
-class Worker:
-    """One configuration's engine process (``bench/serve_worker.py``), alive for the run.
-
-    Call order: :meth:`start` (spawns it; the engine builds in the background), then
-    :meth:`wait_ready` once, then any number of :meth:`call` (one at a time: the parent
-    owns the order), then :meth:`stop` (always; idempotent). ``error`` is set once the
-    process failed to build its engine, crashed or timed out; later calls then answer that
-    error without running anything. The worker's log and answers live under ``tmp``."""
-
-    def __init__(self, cfg: Config, spec: dict[str, Any], tmp: str, env: dict[str, str]) -> None:
-        self.cfg = cfg
-        self.dir = f"{tmp}/w{abs(hash(cfg.name)) % 10**8}"
-        os.makedirs(self.dir, exist_ok=True)
-        with open(f"{self.dir}/spec.json", "w") as f:
-            json.dump(spec, f)
-        self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.ready: dict[str, Any] = {}
-        self.error: str | None = None
-        self._pos = 0
-        self._n = 0
-        self.t0 = 0.0
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-        log = open(f"{self.dir}/log", "wb")  # noqa: SIM115 - the child's output for its life
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfabric.bench.serve_worker", f"{self.dir}/spec.json", self.dir],
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-        )
-        log.close()
-
-    def _await(self, path: str, timeout_s: float) -> dict[str, Any]:
-        """The JSON the worker writes to ``path``, or an ``error`` when it exits or times out."""
-        assert self.proc is not None
-        t0 = time.perf_counter()
-        while not os.path.exists(path):
-            self._pos = _relay(f"{self.dir}/log", self._pos)
-            if self.proc.poll() is not None and not os.path.exists(path):
-                tail = Path(f"{self.dir}/log").read_text(errors="replace")[-1500:]
-                return {"error": f"the engine process exited {self.proc.returncode} without a result: {tail}"}
-            if time.perf_counter() - t0 > timeout_s:
-                return {"error": f"timed out after {timeout_s:.0f} s"}
-            time.sleep(0.2)
-        self._pos = _relay(f"{self.dir}/log", self._pos)
-        with open(path) as f:
-            result: dict[str, Any] = json.load(f)
-        return result
-
-    def wait_ready(self, timeout_s: float) -> None:
-        self.ready = self._await(f"{self.dir}/ready.json", timeout_s)
-        self.error = self.ready.get("error")
-        _say(
-            f"{self.cfg.name}: "
-            + (
-                f"error: {self.error[:200]}"
-                if self.error
-                else f"engine up ({self.ready['engine_start_s']} s)"
-            )
-        )
-        if self.error:
-            self.stop()
-
-    def call(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send one command and wait for its answer (see ``serve_worker.main``)."""
-        if self.error:
-            return {"error": self.error}
-        assert self.proc is not None and self.proc.stdin is not None
-        self._n += 1
-        try:
-            self.proc.stdin.write((json.dumps({**cmd, "id": self._n}) + "\n").encode())
-            self.proc.stdin.flush()
-        except OSError as e:
-            self.error = f"the engine process is gone ({e})"
-            return {"error": self.error}
-        res = self._await(f"{self.dir}/{self._n}.json", timeout_s)
-        if ("error" in res and self.proc.poll() is not None) or res.get("error", "").startswith("timed out"):
-            self.error = res["error"]
-            self.stop()
-        return res
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            try:
-                self.proc.stdin.write(b'{"op": "quit"}\n')
-                self.proc.stdin.close()
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        _stop_group(self.proc)
-        self._pos = _relay(f"{self.dir}/log", self._pos)
-
-
-def _relay(path: str, pos: int) -> int:
-    """Print the worker's progress lines written since ``pos``; the new position."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(pos)
-            data = f.read()
-    except OSError:
-        return pos
-    for ln in data.decode(errors="replace").splitlines():
-        if ln.startswith("[serve "):
-            print(ln[:400], file=sys.stderr, flush=True)
-    return pos + len(data)
-
-
-def _error_text(err: str) -> str:
-    """The last line of an exception text that says what failed (vLLM wraps the cause)."""
-    return " ".join(err.split())[:600]
 
 
 #: what a phase entry may carry beyond its stats into its row
@@ -477,7 +160,7 @@ def rows_of(cfg: Config, result: dict[str, Any], preset: Preset) -> list[dict[st
     if "error" in result:
         phase = Phase.SECOND_ENGINE if cfg.second_engine else None
         rows.append(
-            make_row(cfg.name, cfg.kind, phase, status="error", error=_error_text(result["error"]), **base)
+            make_row(cfg.name, cfg.kind, phase, status="error", error=error_text(result["error"]), **base)
         )
     return rows
 
@@ -532,87 +215,6 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> str:
     return path
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        return int(so.getsockname()[1])
-
-
-def _start_mooncake(
-    tmp: str, segment_bytes: int, env: dict[str, str]
-) -> tuple[list[subprocess.Popen[bytes]], dict[str, str]]:
-    """A local Mooncake metadata server and master on 127.0.0.1 and the config file vLLM's
-    ``MooncakeStoreConnector`` reads (``MOONCAKE_CONFIG_PATH``); the processes and the
-    environment the connector's engine needs. Raises ``RuntimeError`` naming what is missing."""
-    spec = importlib.util.find_spec("mooncake")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("the 'mooncake' package is not installed in this environment")
-    master = os.path.join(os.path.dirname(spec.origin), "mooncake_master")
-    if not os.access(master, os.X_OK):
-        raise RuntimeError(f"no mooncake_master binary at {master}")
-    meta_port, rpc_port, metrics_port = _free_port(), _free_port(), _free_port()
-    log = open(f"{tmp}/mooncake.log", "ab")  # noqa: SIM115 - the servers' output for their life
-    cmds = [
-        [
-            sys.executable,
-            "-m",
-            "mooncake.http_metadata_server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(meta_port),
-        ],
-        [
-            master,
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc_port}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics_port}",
-            "--default_kv_lease_ttl=500",
-        ],
-    ]
-    procs = [
-        subprocess.Popen(c, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True)
-        for c in cmds
-    ]
-    log.close()
-    import socket
-
-    deadline = time.perf_counter() + 30
-    for port in (meta_port, rpc_port):
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.perf_counter() > deadline or any(p.poll() is not None for p in procs):
-                    for p in procs:
-                        _stop_group(p)
-                    tail = Path(f"{tmp}/mooncake.log").read_text(errors="replace")[-600:]
-                    raise RuntimeError(f"the local Mooncake master did not start: {tail}") from None
-                time.sleep(0.2)
-    path = f"{tmp}/mooncake.json"
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "metadata_server": f"http://127.0.0.1:{meta_port}/metadata",
-                "master_server_address": f"127.0.0.1:{rpc_port}",
-                "protocol": "tcp",
-                "device_name": "",
-                "global_segment_size": segment_bytes,
-                "local_buffer_size": 256 * 2**20,
-            },
-            f,
-        )
-    return procs, {
-        "MOONCAKE_CONFIG_PATH": path,
-        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-        "VLLM_HOST_IP": "127.0.0.1",
-    }
-
-
 def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One phase entry from several runs of it (the baseline's): stats over every request
     and the summed wall time, with each run's requests/s and TTFT p50 kept."""
@@ -641,12 +243,12 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     bpt = kv_bytes_per_token(model)
     note = machine_note()
     cpu0 = read_cpu_row()
-    shm0 = _shm()
+    shm0 = shm_entries()
     tmp = tempfile.mkdtemp(prefix="kvf-bench-serve-")
     t_run = time.perf_counter()
     env = {**os.environ, "XDG_RUNTIME_DIR": tmp, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
     ready_s, call_s = (480.0, 300.0) if ctx.quick else (900.0, 1500.0)
-    _say(
+    say(
         f"preset {preset.name}: {preset.prefixes} prefixes x {preset.prefix_tokens} tokens, "
         f"{preset.requests_per_prefix} requests each, vLLM KV cache {preset.kv_cache_tokens} tokens "
         f"({preset.kv_cache_tokens * bpt / 2**20:.0f} MiB), working set {preset.working_set_tokens} tokens"
@@ -656,7 +258,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     prev_term = signal.signal(signal.SIGTERM, _terminate)  # cleanup below runs on SIGTERM too
     try:
-        daemon, sock = _start_pool(tmp, 4 * preset.working_set_tokens * bpt, env)
+        daemon, sock = start_pool(tmp, 4 * preset.working_set_tokens * bpt, env)
         daemons.append(daemon)
         cfgs = configs(tmp, sock, preset, bpt)
         only = [n.strip() for n in os.environ.get("KVFABRIC_BENCH_SERVE_CONFIGS", "").split(";") if n.strip()]
@@ -669,29 +271,29 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
                 )
             cfgs += variants(tmp, sock, preset, bpt)
             cfgs = [c for c in cfgs if c.kind is ConfigKind.BASELINE or c.name in only]
-        waited = _wait_for_machine()
+        waited = wait_for_machine()
         if waited > 1:
-            _say(f"waited {waited:.0f} s for another engine to end")
+            say(f"waited {waited:.0f} s for another engine to end")
         for cfg in cfgs:
             results[cfg.name] = {"phases": []}
             wenv = env
             if cfg.needs_module and importlib.util.find_spec(cfg.needs_module) is None:
                 msg = f"the {cfg.needs_module!r} package is not installed in this environment"
-                _say(f"{cfg.name}: not run, {msg}")
+                say(f"{cfg.name}: not run, {msg}")
                 results[cfg.name]["error"] = msg
                 continue
             refused = cfg.refusal() if cfg.refusal is not None and ctx.quick else None
             if refused:
-                _say(f"{cfg.name}: not run, {refused}")
+                say(f"{cfg.name}: not run, {refused}")
                 results[cfg.name]["error"] = refused
                 continue
             if cfg.name == "MooncakeStoreConnector":
                 try:
-                    procs, extra = _start_mooncake(tmp, 3 * preset.working_set_tokens * bpt, env)
+                    procs, extra = start_mooncake(tmp, 3 * preset.working_set_tokens * bpt, env)
                     daemons += procs
                     wenv = {**env, **extra}
                 except RuntimeError as e:
-                    _say(f"{cfg.name}: {e}; its engine starts without a config")
+                    say(f"{cfg.name}: {e}; its engine starts without a config")
             spec = {
                 "config": cfg.name,
                 "transfer": cfg.transfer,
@@ -703,7 +305,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
             w = Worker(cfg, spec, tmp, wenv)
             w.start()
             workers.append(w)
-        _say(f"{len(workers)} engines starting at once (each in its own process)")
+        say(f"{len(workers)} engines starting at once (each in its own process)")
         for w in workers:
             w.wait_ready(ready_s)
             results[w.cfg.name].update(
@@ -740,7 +342,7 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
                 "order_seed": order_seed,  # every run of a phase: the same order and arrival times
                 "qps": qps,
             }
-            _say(f"{name}: phase {phase.value} (run {slot + 1})")
+            say(f"{name}: phase {phase.value} (run {slot + 1})")
             return by_name[name].call(cmd, call_s)
 
         for phase in (Phase.SATURATION, Phase.RATE):
@@ -791,19 +393,19 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
         for w in workers:
             w.stop()
         for d in daemons:
-            _stop_group(d)
+            stop_group(d)
         shutil.rmtree(tmp, ignore_errors=True)
         signal.signal(signal.SIGTERM, prev_term)
-    _say(f"run took {time.perf_counter() - t_run:.0f} s")
+    say(f"run took {time.perf_counter() - t_run:.0f} s")
     rows: list[dict[str, Any]] = []
     for cfg in cfgs:
         rows += rows_of(cfg, results[cfg.name], preset)
-    left = sorted(n for n in _shm() - shm0 if POOL_NAME in n)
+    left = sorted(n for n in shm_entries() - shm0 if POOL_NAME in n)
     busy = cpu_busy_fraction((cpu0, read_cpu_row()))
     rows = add_ratios(rows)
     if ctx.options.get("plot_dir"):
         path = plot(rows, str(ctx.options["plot_dir"]))
-        _say(f"plot: {path}")
+        say(f"plot: {path}")
     for r in rows:
         r.update(note)
         r["cpu_busy"] = round(busy, 2)

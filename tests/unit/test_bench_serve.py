@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from kvfabric.bench.serve import Config, rows_of
+from kvfabric.bench.serve import rows_of
+from kvfabric.bench.serve_configs import Config
 from kvfabric.bench.serve_workload import (
     QUICK,
     ROW_KEYS,
