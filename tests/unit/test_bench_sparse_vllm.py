@@ -7,16 +7,8 @@ import math
 
 import pytest
 
-from kvfabric.bench.sparse_vllm import (
-    FILLERS,
-    NEEDLES,
-    FirstDecode,
-    KVGeometry,
-    accuracy,
-    coarse_kl,
-    kv_read,
-    prompt_specs,
-)
+from kvfabric.bench.sparse.passkeys import FILLERS, NEEDLES, FirstDecode, accuracy, coarse_kl, prompt_specs
+from kvfabric.bench.sparse_vllm import KVGeometry, kv_read
 
 
 def test_prompt_specs_are_deterministic_and_vary_depth_filler_and_needle():
