@@ -94,7 +94,17 @@ class Registry(Generic[T]):
         return iter(self.names())
 
     def target(self, name: str) -> str:
-        """The target of ``name``; an unknown name is a ``ValueError`` listing the known ones."""
+        """The target of ``name``; an unknown name is a ``ValueError`` listing the known ones.
+        A built-in or registered name is answered without reading the installed plugins
+        (built-in names win over plugins anyway): loading one per request or layer, as the
+        sparse scorers are, must not scan the package metadata each time."""
+        if isinstance(name, str):
+            if name in self._builtin:
+                return self._builtin[name]
+            with self._lock:
+                registered = self._registered.get(name)
+            if registered is not None:
+                return registered
         found = self.targets().get(name) if isinstance(name, str) else None
         if found is None:
             raise ValueError(f"unknown {self.axis} {name!r}; known: {', '.join(self.names()) or 'none'}")
@@ -125,8 +135,8 @@ class Registry(Generic[T]):
         return self.load(name)(*args, **kwargs)  # type: ignore[operator]
 
     def _entry_points(self) -> dict[str, str]:
-        """The plugins installed now (read on every call: names are looked up at start-up
-        and on errors, never per operation, and a plugin installed later is then seen)."""
+        """The plugins installed now (read on every call, so a plugin installed later is
+        seen; ``target`` reads them only for a name that is neither built in nor registered)."""
         try:
             eps = importlib.metadata.entry_points(group=self.group)
             return {ep.name: ep.value for ep in eps}
