@@ -65,7 +65,7 @@ def replay(batch: int, steps: int, options: dict[str, Any], context: int) -> lis
         impl.scale, impl.kv_cache_dtype, impl.logits_soft_cap = 1 / math.sqrt(D), "auto", 0.0
         impls.append(impl)
     layer = types.SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
-    views = [impls[0]._cache_views(c) for c in caches]
+    views = [impls[0]._cache_views(c, layer) for c in caches]
     for i in range(batch):  # prompts, one per step
         md = _Metadata(
             table[i : i + 1],

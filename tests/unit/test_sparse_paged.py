@@ -25,12 +25,11 @@ def _write(kv: LayerKV, row: torch.Tensor, keys: torch.Tensor, start: int) -> No
     kv.k[:, row[pos // BS].long(), pos % BS] = keys.transpose(0, 1)
 
 
-def _reference(plugin, prompt_k, prompt_q, decode_k, q, seq, split):
-    """The per-request hooks' free blocks (logical, per head) for one request whose prompt
-    came in two chunks (``split`` tokens first), and its combined scores."""
+def _reference(plugin, prompt_k, prompt_q, decode_k, q, seq):
+    """The free blocks (logical, per head) of one request whose scorer was fitted on its
+    whole prompt, however it was chunked, and its combined scores."""
     sc = make_scorer(plugin.scorer_name, H, D, BS, **plugin.cfg.scorer_options)
-    sc.fit(prompt_k[:split].permute(1, 0, 2), recent_queries(prompt_q[:split], H, plugin.cfg.query_window))
-    sc.append(prompt_k[split:].permute(1, 0, 2), split)
+    sc.fit(prompt_k.permute(1, 0, 2), recent_queries(prompt_q, H, plugin.cfg.query_window))
     for j in range(decode_k.shape[0]):
         sc.append(decode_k[j : j + 1].permute(1, 0, 2), prompt_k.shape[0] + j)
     nb = -(-seq // BS)
@@ -65,8 +64,10 @@ def test_batched_selection_equals_the_per_request_hooks(name: str, options: dict
         k, q = torch.randn(n, H, D) * 2, torch.randn(n, H * G, D)
         _write(kv, row, k, 0)
         slot = sel.begin(f"r{r}")
-        sel.fit(0, kv, slot, k[: splits[r]], q[: splits[r]], row)
-        sel.extend(0, kv, slot, k[splits[r] :], splits[r], row)
+        sel.prompt_chunk(0, slot, q[: splits[r]], 0)
+        if splits[r] < n:
+            sel.prompt_chunk(0, slot, q[splits[r] :], splits[r])
+        sel.fit_prompt(0, kv, slot, n, row)  # at the first decode step, from the cache
         rows.append(row)
         slots.append(slot)
         data.append((k, q))
@@ -91,7 +92,7 @@ def test_batched_selection_equals_the_per_request_hooks(name: str, options: dict
     )
     for r, seq in enumerate(seqs):
         nb = -(-seq // BS)
-        ref, scores = _reference(plugin, data[r][0], data[r][1], dec[:, r], q[r], seq, splits[r])
+        ref, scores = _reference(plugin, data[r][0], data[r][1], dec[:, r], q[r], seq)
         logical = {int(p): b for b, p in enumerate(rows[r][:nb].tolist())}
         for h in range(H):
             forced = {0, nb - 2, nb - 1}

@@ -84,6 +84,32 @@ def test_sparse_decode_equals_dense_attention_over_the_selected_blocks() -> None
             torch.testing.assert_close(out[s].view(H, G, D)[h], ref, atol=1e-5, rtol=1e-5)
 
 
+def test_the_cache_views_read_back_the_keys_and_values_vllms_writer_stored() -> None:
+    # vLLM's CPU writer stores a block's keys transposed for its vec kernels (values as
+    # rows): the plugin's summaries, the oracle and HATA read keys through these views
+    pytest.importorskip("vllm._custom_ops")
+    import types
+
+    from vllm import _custom_ops as ops
+
+    from kvfabric.ucm_layer.sparse.vllm.cpu import KeyLayout, KVFabricCPUSparseImpl, key_layout, split_cache
+
+    torch.manual_seed(1)
+    nb, tokens = 24, 330
+    blocks = torch.randperm(nb)[:11]
+    raw = torch.zeros(nb, H, BS, 2 * D)
+    kc, vc = split_cache(raw)
+    k, v = torch.randn(tokens, H, D), torch.randn(tokens, H, D)
+    pos = torch.arange(tokens)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, (blocks[pos // BS] * BS + pos % BS).long(), "vec")
+    assert key_layout("vec", D, BS, torch.float32) is KeyLayout.COLUMNS
+    impl = object.__new__(KVFabricCPUSparseImpl)
+    impl.head_size = D
+    view = impl._cache_views(raw, types.SimpleNamespace(isa="vec"))
+    for got, want in ((view.k, k), (view.v, v)):
+        assert torch.equal(got[:, blocks].reshape(H, 11 * BS, D)[:, :tokens], want.transpose(0, 1))
+
+
 def test_folded_rows_with_every_block_equal_the_stock_dense_call() -> None:
     pytest.importorskip("vllm._custom_ops")
     from kvfabric.ucm_layer.sparse.vllm.cpu import paged_attention, sparse_decode
@@ -169,6 +195,62 @@ def test_runtime_tracks_requests_by_their_first_block_and_goes_sparse_past_the_b
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["sparse_layer_steps"] == 4 and stats["blocks_selected"] == 16 and stats["blocks_total"] == 44
     assert stats["layers"][0] == {"sparse": 2, "dense": 1} and stats["plugin"]["selections"] > 0
+
+
+NEEDLE = 9  # the logical block holding the keys the decode query looks for
+
+
+def _chunked_selection(tmp_path, batched: bool, chunks: list[int]) -> torch.Tensor:
+    """The logical blocks (per layer and KV head, sorted) a decode step selects after one
+    prompt came in ``chunks`` (token counts, vLLM's chunked prefill), its keys in the cache.
+    The prompt's first ``BS + 3`` keys span dimensions 0-7 only, the later ones the
+    others, and block ``NEEDLE`` holds keys along the decode query: a basis fitted on the
+    first chunk alone cannot see that block."""
+    torch.manual_seed(5)
+    rt = _runtime(tmp_path, batched=batched, budget_tokens=4 * BS, sink_blocks=1, recent_blocks=1)
+    table = torch.randperm(40, dtype=torch.int32)[:20].view(1, 20)
+    prompt = sum(chunks)
+    k, v = torch.randn(prompt + 1, H, D) * 0.1, torch.randn(prompt + 1, H, D)
+    head = BS + 3
+    k[:head, :, :8] += torch.randn(head, H, 8) * 3
+    k[head:, :, 8:16] += torch.randn(prompt + 1 - head, H, 8) * 3
+    u = torch.zeros(D)
+    u[16:] = 1.0
+    k[NEEDLE * BS : (NEEDLE + 1) * BS] += 3 * u
+    q = torch.randn(prompt + 1, H * G, D) * 0.1
+    q[-1] += 3 * u
+    kv = _kv()
+    pos = 0
+    chosen = []
+    for n in [*chunks, 1]:
+        at = torch.arange(pos, pos + n)
+        kv.k[:, table[0, at // BS].long(), at % BS] = k[pos : pos + n].transpose(0, 1)
+        qsl = torch.tensor([0, n], dtype=torch.int32)
+        plan = rt.plan(object(), table, torch.tensor([pos + n], dtype=torch.int32), qsl, kv.num_blocks)
+        assert plan is not None
+        chosen = []
+        step = (q[pos : pos + n], k[pos : pos + n], v[pos : pos + n])
+        for layer in range(2):
+            chosen.append(rt.layer_begin(plan, layer, step, kv))
+            rt.layer_end(plan, layer, torch.zeros(n, H * G, D), kv)
+        pos += n
+    assert all(c is not None for c in chosen)  # the decode step is sparse
+    logical = {int(b): i for i, b in enumerate(table[0].tolist())}
+    return torch.tensor(
+        [[sorted(logical[int(b)] for b in c.physical[0, h]) for h in range(H)] for c in chosen]
+    )
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_prompt_prefilled_in_chunks_selects_what_one_prefill_would(tmp_path, batched) -> None:
+    # vLLM's chunked prefill gives a prompt what is left of a step's token budget, then the
+    # rest: the summaries are fitted on the whole prompt at its first decode step, so the
+    # selection does not depend on where the chunks were cut
+    prompt = 14 * BS + 5
+    whole = _chunked_selection(tmp_path, batched, [prompt])
+    assert bool((whole == NEEDLE).any(dim=-1).all())  # every layer and head finds the needle
+    for chunks in ([BS + 3, prompt - BS - 3], [BS + 3, 7 * BS, prompt - 8 * BS - 3]):
+        assert torch.equal(_chunked_selection(tmp_path, batched, chunks), whole), chunks
 
 
 def test_runtime_keeps_short_contexts_dense(tmp_path) -> None:

@@ -1,16 +1,22 @@
 """Block-sparse decode attention behind the ``UcmSparseBase`` hooks (GSA and its baselines).
 
 ``BlockSparseAttention`` drives one block scorer per (request, layer): it fits the scorer
-on the prompt's keys at prefill (and the queries of the prompt's last ``query_window``
-tokens, for scorers that use them), appends every later key (so the summaries follow the
-blocks as they fill), and, for each (request, layer) that the adaptive switch puts in
-``SPARSE`` mode, replaces the request's block table in ``attention_begin`` with the
-selected blocks of each KV head (forced sink/recent blocks + top-k by score under the
-token budget), restoring it in ``attention_finished``. Selections are reused for
+on the whole prompt's keys (and the queries of the prompt's last ``query_window`` tokens,
+for scorers that use them) when the request decodes its first token, appends every later
+key (so the summaries follow the blocks as they fill), and, for each (request, layer)
+that the adaptive switch puts in ``SPARSE`` mode, replaces the request's block table in
+``attention_begin`` with the selected blocks of each KV head (forced sink/recent blocks +
+top-k by score under the token budget), restoring it in ``attention_finished``. Selections are reused for
 ``reuse_steps`` decode steps; with ``select_ahead`` the selection for step t+1 is made at
 step t from step t's query (what a prefetch needs). Scoring, top-k and the block-table
 gather are tensor operations on the KV's device; statistics stay on the device until
 ``stats()`` is called.
+
+The fit waits for the first decode step because an engine may prefill a prompt in chunks
+(vLLM's chunked prefill gives a request a few hundred tokens of a step's budget, then the
+rest in the next step): a basis fitted on the first chunk alone describes the start of the
+prompt, not the prompt, and the summaries of every later block were made with it. Until
+then the chunks' keys and the last queries are kept (:class:`PromptChunks`).
 
 ``gsa.plugin.GSA`` is this plugin with the SVD + max-norm scorer (``gsa.summary``) and,
 given a store, offload of unselected blocks with prefetch of the next step's selection
@@ -37,6 +43,14 @@ from kvfabric.ucm_layer.sparse.base import (
 from kvfabric.ucm_layer.sparse.gsa.policy import BlockSparseConfig, decide_modes
 from kvfabric.ucm_layer.sparse.scorer import BlockScorer, make_scorer, scorer_option_names
 from kvfabric.ucm_layer.sparse.selection import forced_blocks, lens_of, select_free
+
+
+def query_tail(prev: torch.Tensor | None, query: torch.Tensor, window: int) -> torch.Tensor:
+    """The last ``window`` queries ``(m, Hq, D)`` of a prompt whose earlier chunks left
+    ``prev`` and whose next chunk is ``query`` (all of them for ``window`` 0); a copy, so
+    that the step's query tensor is not kept alive."""
+    q = query if prev is None else torch.cat([prev, query])
+    return (q[-window:] if window else q).clone()
 
 
 def recent_queries(query: torch.Tensor, num_kv_heads: int, window: int) -> torch.Tensor:
@@ -68,10 +82,26 @@ class LayerState:
 
 
 @dataclass
+class PromptChunks:
+    """One (request, layer) before its first decode step: the prompt's keys so far, chunk
+    by chunk (``(H, n, D)`` each, copies), and its last ``query_window`` queries."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    queries: torch.Tensor | None = None
+    tokens: int = 0
+
+    def add(self, keys: torch.Tensor, query: torch.Tensor, window: int) -> None:
+        self.keys.append(keys.clone())
+        self.queries = query_tail(self.queries, query, window)
+        self.tokens += int(keys.shape[1])
+
+
+@dataclass
 class RequestState:
     prompt_len: int
     layers: list[LayerState | None]
     extra: dict[str, Any] = field(default_factory=dict)
+    prompt: dict[int, PromptChunks] = field(default_factory=dict)  # layer -> chunks not fitted yet
 
 
 @dataclass(frozen=True)
@@ -158,33 +188,45 @@ class BlockSparseAttention(UcmSparseBase):
 
     def _sync_scorer(
         self, st: RequestState, layer: int, key: torch.Tensor, seq: int, n_new: int, query: torch.Tensor
-    ) -> LayerState:
-        """Fit (prompt: keys, and queries grouped by KV head) or extend (later tokens) the
-        layer's scorer with the new keys."""
+    ) -> LayerState | None:
+        """Keep a prompt chunk's keys and queries (None: no scorer yet), fit the scorer on
+        the whole prompt at the first decode step, or extend it with the new keys."""
         keys = key.permute(1, 0, 2)  # (H, n, D)
         ls = st.layers[layer]
         start = seq - n_new
-        if ls is None:
-            if start != 0:
+        if ls is not None:
+            if ls.scorer.num_tokens == start:
+                ls.scorer.append(keys, start)
+            elif ls.scorer.num_tokens != seq:
                 raise ValueError(
-                    f"layer {layer}: the first keys seen start at position {start}; the scorer "
-                    "must be fitted on the prompt from position 0"
+                    f"layer {layer}: scorer holds {ls.scorer.num_tokens} tokens, new keys start at {start}"
                 )
-            scorer = make_scorer(
-                self.scorer_name,
-                self.model.num_kv_heads,
-                self.model.head_dim,
-                self.model.block_size,
-                **self.cfg.scorer_options,
-            )
-            scorer.fit(keys, recent_queries(query, self.model.num_kv_heads, self.cfg.query_window))
-            ls = st.layers[layer] = LayerState(scorer)
-        elif ls.scorer.num_tokens == start:
-            ls.scorer.append(keys, start)
-        elif ls.scorer.num_tokens != seq:
+            return ls
+        chunks = st.prompt.get(layer)
+        held = 0 if chunks is None else chunks.tokens
+        if start != held:
             raise ValueError(
-                f"layer {layer}: scorer holds {ls.scorer.num_tokens} tokens, new keys start at {start}"
+                f"layer {layer}: new keys start at position {start} but {held} prompt tokens were "
+                "seen; the scorer must be fitted on the prompt from position 0"
             )
+        if n_new > 1 or start == 0:  # a prompt (chunk): the fit waits for the whole prompt
+            chunks = st.prompt.setdefault(layer, PromptChunks())
+            chunks.add(keys, query, self.cfg.query_window)
+            return None
+        assert chunks is not None  # start == held > 0
+        del st.prompt[layer]
+        scorer = make_scorer(
+            self.scorer_name,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.model.block_size,
+            **self.cfg.scorer_options,
+        )
+        prompt_q = chunks.queries
+        assert prompt_q is not None
+        scorer.fit(torch.cat(chunks.keys, dim=1), recent_queries(prompt_q, self.model.num_kv_heads, 0))
+        scorer.append(keys, start)
+        ls = st.layers[layer] = LayerState(scorer)
         return ls
 
     def _select_free(self, ls: LayerState, q: torch.Tensor, nb: int, k: int) -> torch.Tensor:
@@ -257,7 +299,7 @@ class BlockSparseAttention(UcmSparseBase):
             st = self._state(batch.request_ids[i])
             seq = batch.seq_lens[i]
             ls = self._sync_scorer(st, layer, key[t0:t1], seq, t1 - t0, query[t0:t1])
-            if meta.mode(i, layer) is not AttnMode.SPARSE:
+            if ls is None or meta.mode(i, layer) is not AttnMode.SPARSE:
                 self._counters["dense_layer_steps"] += 1.0
                 continue
             self._counters["sparse_layer_steps"] += 1.0
@@ -328,4 +370,12 @@ class BlockSparseAttention(UcmSparseBase):
         return out
 
 
-__all__ = ["BlockSparseAttention", "LayerState", "RequestState", "Slot", "recent_queries"]
+__all__ = [
+    "BlockSparseAttention",
+    "LayerState",
+    "PromptChunks",
+    "RequestState",
+    "Slot",
+    "query_tail",
+    "recent_queries",
+]

@@ -6,7 +6,9 @@ backend) can instead use :class:`PagedSelector`, which does the same selection f
 request of a step in one layer with a few tensor operations:
 
 - summaries live in one preallocated tensor per layer indexed by **physical block**
-  (``(H, width, num_blocks)``), written at prefill for the request's blocks and updated
+  (``(H, width, num_blocks)``), written when the request decodes its first token (from
+  the prompt's keys in the cache, :meth:`PagedSelector.fit_prompt`: the whole prompt,
+  however many chunks the engine prefilled it in) and updated
   in place for the one block each decode token lands in (``append``: every decoding
   request of the step in one gather / ``where`` / scatter). A request's other per-layer
   state (GSA's basis) is one row of a per-layer ``(slots, ...)`` tensor;
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvfabric.ucm_layer.sparse.base import LayerKV
-from kvfabric.ucm_layer.sparse.blocksparse import recent_queries
+from kvfabric.ucm_layer.sparse.blocksparse import query_tail, recent_queries
 from kvfabric.ucm_layer.sparse.scorer import (
     SCORERS,
     BlockScorer,
@@ -400,6 +402,8 @@ class PagedSelector:
         self._kind = _PAGED_SCORERS[plugin.scorer_name]
         assert SCORERS.load(plugin.scorer_name) is type(self.template)
         self.layers: list[PagedScorer | None] = [None] * m.num_layers
+        # per layer, slot -> the last query_window queries of a prompt not fitted yet
+        self._prompt_q: list[dict[int, torch.Tensor]] = [{} for _ in range(m.num_layers)]
         self.owner: torch.Tensor | None = None  # (num_blocks,) slot owning each physical block
         self._slots: dict[str, int] = {}
         self._free: list[int] = []
@@ -420,6 +424,8 @@ class PagedSelector:
         next request that fits on them."""
         slot = self._slots.pop(rid, None)
         if slot is not None:
+            for held in self._prompt_q:
+                held.pop(slot, None)
             self._free.append(slot)
 
     def ensure_blocks(self, num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -444,10 +450,30 @@ class PagedSelector:
         query: torch.Tensor,
         blocks: torch.Tensor,
     ) -> None:
-        """A request's prompt (first chunk, from position 0): ``keys (n, H, D)``,
-        ``query (n, Hq, D)``, physical ``blocks`` of its table row."""
+        """A request's prompt, from position 0, given directly: ``keys (n, H, D)``,
+        ``query (n, Hq, D)``, physical ``blocks`` of its table row (an engine whose prompts
+        may come in chunks uses :meth:`prompt_chunk` and :meth:`fit_prompt`)."""
         q = recent_queries(query, self.h, self.plugin.cfg.query_window)
         self.layer(layer, kv).fit(slot, keys.permute(1, 0, 2), q, blocks.to(torch.int64))
+
+    def prompt_chunk(self, layer: int, slot: int, query: torch.Tensor, start: int) -> None:
+        """A chunk of a request's prompt at positions ``start...`` (``query (n, Hq, D)``; its
+        keys are in the cache): keep the prompt's last ``query_window`` queries for
+        :meth:`fit_prompt` (``start`` 0 begins the prompt)."""
+        held = self._prompt_q[layer]
+        held[slot] = query_tail(held.get(slot) if start else None, query, self.plugin.cfg.query_window)
+
+    def fit_prompt(self, layer: int, kv: LayerKV, slot: int, tokens: int, blocks: torch.Tensor) -> None:
+        """Fit the slot's summaries on its whole prompt, positions ``0..tokens-1``, whose
+        keys are read from ``kv`` through the table row ``blocks``, and the queries
+        :meth:`prompt_chunk` kept; called at the request's first decode step, whatever the
+        chunks were."""
+        nb = -(-tokens // self.bs)
+        row = blocks[:nb].to(torch.int64)
+        keys = kv.k[:, row].reshape(self.h, nb * self.bs, self.d)[:, :tokens]
+        query = self._prompt_q[layer].pop(slot, None)
+        q = None if query is None else recent_queries(query, self.h, 0)
+        self.layer(layer, kv).fit(slot, keys, q, row)
 
     def extend(
         self, layer: int, kv: LayerKV, slot: int, keys: torch.Tensor, start: int, blocks: torch.Tensor

@@ -15,6 +15,8 @@ folded cache view of ``rewrite``) and the others the same kernel over their own 
 
 from __future__ import annotations
 
+import enum
+import functools
 from typing import Any
 
 import torch
@@ -26,6 +28,41 @@ from kvfabric.ucm_layer.sparse.base import LayerKV
 from kvfabric.ucm_layer.sparse.vllm.impl import LayerCall, SparseImplMixin
 from kvfabric.ucm_layer.sparse.vllm.rewrite import fold_cache, fold_heads
 from kvfabric.ucm_layer.sparse.vllm.runtime import LayerSelection
+
+
+class KeyLayout(enum.Enum):
+    """How vLLM's CPU cache writer lays out one (block, KV head)'s keys for an ISA."""
+
+    ROWS = "rows"  # (block_size, D): a key per row, as the values are
+    COLUMNS = "columns"  # (D, block_size): the ``vec`` kernels read keys transposed
+
+
+@functools.cache
+def key_layout(isa: str, head_size: int, block_size: int, dtype: torch.dtype) -> KeyLayout | None:
+    """The layout ``ops.cpu_attn_reshape_and_cache`` writes keys in for ``isa``, found by
+    writing one block of known keys to a scratch cache (None: neither layout, e.g. a
+    packed one; the keys then cannot be read back as keys)."""
+    cache = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
+    kc, vc = split_cache(cache)
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(block_size, 1, head_size, generator=gen).to(dtype)
+    slots = torch.arange(block_size, dtype=torch.int64)
+    ops.cpu_attn_reshape_and_cache(keys, torch.zeros_like(keys), kc, vc, slots, isa)
+    block = kc[0, 0]
+    if torch.equal(block, keys[:, 0]):
+        return KeyLayout.ROWS
+    if torch.equal(block.reshape(head_size, block_size), keys[:, 0].t()):
+        return KeyLayout.COLUMNS
+    return None
+
+
+def key_rows(key_cache: torch.Tensor, layout: KeyLayout) -> torch.Tensor:
+    """The split key cache (``split_cache``) as ``(num_blocks, H, block_size, D)`` keys,
+    whatever the writer's ``layout`` (a view, no copy)."""
+    if layout is KeyLayout.ROWS:
+        return key_cache
+    nb, h, bs, d = key_cache.shape
+    return key_cache.view(nb, h, d, bs).transpose(2, 3)
 
 
 def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,9 +266,18 @@ class KVFabricCPUSparseImpl(SparseImplMixin, CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self._attach(sliding_window=self.sliding_window != -1)
 
-    def _cache_views(self, kv_cache: torch.Tensor) -> LayerKV:
+    def _cache_views(self, kv_cache: torch.Tensor, layer: Any) -> LayerKV:
+        """The keys as keys: the ``vec`` kernels' writer stores a block's keys transposed
+        (``key_layout``); a layout that is neither rows nor columns is refused."""
         k, v = split_cache(kv_cache)
-        return LayerKV(k.transpose(0, 1), v.transpose(0, 1))
+        layout = key_layout(layer.isa, self.head_size, int(kv_cache.shape[2]), kv_cache.dtype)
+        if layout is None:
+            raise RuntimeError(
+                f"kvfabric sparse: vLLM's CPU attention ISA {layer.isa!r} stores keys in a layout "
+                "kvfabric cannot read back (neither rows nor columns per block); run without "
+                "kvfabric_sparse on this machine"
+            )
+        return LayerKV(key_rows(k, layout).transpose(0, 1), v.transpose(0, 1))
 
     def _num_blocks(self, kv_cache: torch.Tensor) -> int:
         return int(kv_cache.shape[0])

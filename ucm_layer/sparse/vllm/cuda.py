@@ -39,7 +39,7 @@ class KVFabricFlashSparseImpl(SparseImplMixin, FlashAttentionImpl):
             decode_context_parallelism=self.dcp_world_size > 1,
         )
 
-    def _cache_views(self, kv_cache: torch.Tensor) -> LayerKV:
+    def _cache_views(self, kv_cache: torch.Tensor, layer: Any) -> LayerKV:
         k, v = kv_cache.unbind(0)  # (num_blocks, block_size, H, D)
         return LayerKV(k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3))
 

@@ -95,8 +95,9 @@ class SparseImplMixin:
         self._runtime = runtime_for(self._sparse_config, spec, rank=vc.parallel_config.rank)
 
     # ------------------------------------------------------------------ per platform
-    def _cache_views(self, kv_cache: torch.Tensor) -> LayerKV:
-        """The layer's cache as ``(H, num_blocks, block_size, D)`` views (for the plugin)."""
+    def _cache_views(self, kv_cache: torch.Tensor, layer: Any) -> LayerKV:
+        """The layer's cache as ``(H, num_blocks, block_size, D)`` views of keys and values
+        as vectors (for the plugin; whatever layout the platform's writer uses)."""
         raise NotImplementedError
 
     def _num_blocks(self, kv_cache: torch.Tensor) -> int:
@@ -140,7 +141,7 @@ class SparseImplMixin:
             self._layer = layer_index(layer.layer_name)
         n = md.num_actual_tokens
         q, k, v = query[:n], key[:n], value[:n]
-        cache = self._cache_views(kv_cache)
+        cache = self._cache_views(kv_cache, layer)
         chosen = rt.layer_begin(plan, self._layer, (q, k, v), cache)
         if chosen is not None:
             self._forward_sparse(LayerCall(layer, query, key, value, kv_cache, md, output), chosen)

@@ -23,10 +23,15 @@ Two ways to drive the plugin, chosen once (``paged_support``):
 
 batched (``sparse.paged.PagedSelector``: every block-sparse algorithm without
 ``select_ahead``/offload)
-    the step's rows are classified once in ``plan`` (prompts to fit, decode rows, the rows
-    that select and their padded block tables, ``paged.SparseRows``); per layer one
+    the step's rows are classified once in ``plan`` (prompt chunks, whose last queries are
+    kept; first decode steps, which fit the summaries on the whole prompt read from the
+    cache, so that a prompt vLLM prefilled in chunks is summarised as one; decode rows; the
+    rows that select and their padded block tables, ``paged.SparseRows``); per layer one
     batched summary update for every decoding row and one batched selection (a few tensor
-    operations, no loop over requests, heads or blocks). The summaries are keyed by
+    operations, no loop over requests, heads or blocks). A one-token chunk in the middle
+    of a prompt (a step's budget ending one token into it) looks like a decode step to an
+    attention backend: the fit then happens there, on the tokens so far, and the rest of
+    the prompt extends the summaries. The summaries are keyed by
     physical block; before a step, every block a continuing row's state has seen must
     still be owned by that state (``owner``, one gather per step), or the row runs dense
     and the state is dropped (``identity_mismatch``).
@@ -84,6 +89,7 @@ class _Tracked:
     tokens: int = 0  # tokens the plugin has seen (keys appended)
     last_step: int = 0
     slot: int = -1  # the batched selector's slot
+    fitted: bool = False  # batched: summaries fitted on the prompt (at its first decode step)
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,8 @@ class StepPlan:
     tokens: tuple[Any, ...] = ()  # the managed rows' query, key, value of the current layer
     # batched mode
     block_table: Any = None
-    fits: list[tuple[int, int, int, int]] = field(default_factory=list)  # (row, slot, t0, t1)
+    chunks: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (row, slot, t0, t1, start)
+    fits: list[tuple[int, int, int]] = field(default_factory=list)  # (row, slot, prompt tokens)
     extends: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (row, slot, t0, t1, start)
     dec_slots: Any = None  # (Sd,) slots of the decode rows
     dec_tokens: Any = None  # (Sd,) their tokens
@@ -156,6 +163,7 @@ class RuntimeStats:
     blocks_selected: int = 0  # per sparse (request, layer): mean over KV heads of blocks read
     blocks_total: int = 0  # ... and the blocks the dense kernel would have read
     identity_mismatch: int = 0  # rows whose blocks were not all their state's: run dense
+    prompt_chunks: int = 0  # prompt chunks after a first one (vLLM's chunked prefill)
     layers: list[LayerCounters] = field(default_factory=list)
 
 
@@ -260,6 +268,7 @@ class SparseRuntime:
         seqs = seq_lens[:num_reqs].tolist()
         firsts = block_table[:num_reqs, 0].tolist()
         picked, decode_rows = self._match(num_reqs, qsl, seqs, firsts, step)
+        self.stats.prompt_chunks += sum(1 for i, _ in picked if 1 < qsl[i + 1] - qsl[i] < seqs[i])
         if timing.clock is not None:  # selection times for the connector's spans
             timing.clock.step(str(self.config.algorithm), picked)
         if self.paged is not None:
@@ -353,11 +362,14 @@ class SparseRuntime:
             nb_prev, nb_new = -(-start // bs), -(-seq // bs)
             if nb_new > nb_prev:  # the state now owns its new blocks
                 owner[block_table[i, nb_prev:nb_new].to(torch.int64)] = st.slot
-            if start == 0:
-                plan.fits.append((i, st.slot, qsl[i], qsl[i + 1]))
+            if not st.fitted and (start == 0 or n > 1):  # a prompt chunk
+                plan.chunks.append((i, st.slot, qsl[i], qsl[i + 1], start))
             elif n > 1:
                 plan.extends.append((i, st.slot, qsl[i], qsl[i + 1], start))
             else:
+                if not st.fitted:  # the first decode step: the prompt is complete
+                    plan.fits.append((i, st.slot, start))
+                    st.fitted = True
                 dec_rows.append(i)
                 dec_tok.append(qsl[i])
                 dec_slots.append(st.slot)
@@ -480,8 +492,10 @@ class SparseRuntime:
         assert paged is not None
         q, k, _ = tokens
         bt = plan.block_table
-        for i, slot, t0, t1 in plan.fits:
-            paged.fit(layer, kv, slot, k[t0:t1], q[t0:t1], bt[i])
+        for _, slot, t0, t1, start in plan.chunks:
+            paged.prompt_chunk(layer, slot, q[t0:t1], start)
+        for i, slot, tokens in plan.fits:
+            paged.fit_prompt(layer, kv, slot, tokens, bt[i])
         for i, slot, t0, t1, start in plan.extends:
             paged.extend(layer, kv, slot, k[t0:t1], start, bt[i])
         if plan.dec_slots is not None:
@@ -591,6 +605,7 @@ class SparseRuntime:
             "blocks_selected": s.blocks_selected,
             "blocks_total": s.blocks_total,
             "identity_mismatch": s.identity_mismatch,
+            "prompt_chunks": s.prompt_chunks,
             "layers": [{"sparse": c.sparse, "dense": c.dense} for c in s.layers],
             "plugin": plugin,
         }
