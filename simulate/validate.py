@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from kvfabric.bench.cpuload import CpuMeter
 from kvfabric.simulate.calibrate import fit_prefill
 from kvfabric.simulate.config import Calibration, ClusterConfig, Routing, save_calibration
 from kvfabric.simulate.replay import simulate
@@ -212,11 +213,18 @@ def _compared(p_hit: float, m_hit: float, p_ttfts: list[float], m_ttfts: list[fl
 
 
 def _run_facts(
-    cold: dict[int, list[float]], warm: list[tuple[int, int, float]], gbps: float, engine_s: float
+    cold: dict[int, list[float]],
+    warm: list[tuple[int, int, float]],
+    gbps: float,
+    engine_s: float,
+    cpu: dict[str, Any],
 ) -> dict[str, Any]:
-    """What a ``validate`` row says of the run: its probes, memcpy rate, time and load."""
+    """What a ``validate`` row says of the run: its probes, memcpy rate, time and load
+    (``foreign_cores``: cores' worth of CPU other processes used while the engine ran,
+    ``bench.cpuload.CpuMeter``; the prediction cannot see that work)."""
     return {
         "engine_s": round(engine_s, 1),
+        "foreign_cores": cpu["foreign_cores"],
         "probes_cold_s": {str(n): [round(t, 3) for t in v] for n, v in cold.items()},
         "probes_warm": [[n, k, round(t, 3)] for n, k, t in warm],  # prompt tokens, loaded blocks, TTFT
         "memcpy_gbps": round(gbps, 2),
@@ -264,7 +272,7 @@ def run(
     transfer = kvfabric_transfer_config(
         "pool", pool_bytes=pool_bytes, store_options={"pool.name": "kvf-sim-validate"}
     )
-    t_start = time.perf_counter()
+    t_start, meter = time.perf_counter(), CpuMeter().start()
     eng = make_engine(model, transfer, kv_bytes=512 << 20, max_model_len=4096)
     try:
         w = eng.worker()
@@ -301,7 +309,7 @@ def run(
         cal, gbps = _calibration(cold, warm, block_bytes, decode_tps, model)
     finally:
         eng.close()
-    engine_s = time.perf_counter() - t_start
+    engine_s, cpu = time.perf_counter() - t_start, meter.stop()
 
     cluster = ClusterConfig(
         nodes=1,
@@ -337,7 +345,7 @@ def run(
         "pool_bytes": pool_bytes,
         "block_bytes": block_bytes,
         "predicted_evictions": rep.evictions["dram"],
-        **_run_facts(cold, warm, gbps, engine_s),
+        **_run_facts(cold, warm, gbps, engine_s, cpu),
     }
     yield _calibration_row(cal)
 
@@ -392,7 +400,7 @@ def run_serve(
     )
     rng = np.random.default_rng(SERVE_SEED)
     seq: list[tuple[list[int], int, float | None]] = []  # (prompt, output tokens, arrival offset)
-    t_start = time.perf_counter()
+    t_start, meter = time.perf_counter(), CpuMeter().start()
     eng = make_engine(model, transfer, kv_bytes=512 << 20, max_model_len=max(4096, preset.max_model_len))
     try:
         w = eng.worker()
@@ -425,7 +433,7 @@ def run_serve(
         seq += [(list(r.prompt), preset.output_tokens, r.arrival_s) for r in work]
     finally:
         eng.close()
-    engine_s = time.perf_counter() - t_start
+    engine_s, cpu = time.perf_counter() - t_start, meter.stop()
 
     cluster = ClusterConfig(
         nodes=1, engines_per_node=1, block_tokens=BLOCK, kv_bytes_per_token=bpt,
@@ -462,7 +470,7 @@ def run_serve(
         "pool_bytes": pool_bytes,
         "block_bytes": block_bytes,
         "predicted_evictions": rep.evictions["dram"],
-        **_run_facts(cold, warm, gbps, engine_s),
+        **_run_facts(cold, warm, gbps, engine_s, cpu),
     }
     yield _calibration_row(cal)
 
