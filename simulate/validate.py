@@ -38,7 +38,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -182,6 +182,29 @@ def _one_request(eng: Any, w: Any, prompt: list[int], out: int) -> tuple[float, 
     return dt, w.stats.totals["loaded_blocks"] - before
 
 
+def decode_rate(
+    send: Callable[[list[int], int], tuple[float, int]], prompt: list[int], tries: int = 3
+) -> float:
+    """Decode tokens/s from ``prompt`` served with 1 and with 17 output tokens through
+    ``send`` (wall time, blocks loaded). Both must find the prompt in the same state: it is
+    served once first (the pool may have evicted it, and a cold 1-token request against a
+    warm 17-token one once gave a negative difference), the pair must load the same
+    blocks, and the longer one must take longer; ``tries`` pairs, then a ``RuntimeError``
+    with the times."""
+    send(prompt, 1)
+    seen = []
+    for _ in range(tries):
+        t1, l1 = send(prompt, 1)
+        t17, l17 = send(prompt, 17)
+        seen.append((round(t1, 4), l1, round(t17, 4), l17))
+        if l1 == l17 and t17 > t1:
+            return 16 / (t17 - t1)
+    raise RuntimeError(
+        f"decode probe: 17 output tokens were not slower than 1 with the same blocks loaded "
+        f"(seconds, blocks loaded: {seen})"
+    )
+
+
 def _next_tick() -> None:
     """Sleep into the pool's next recency tick (``pool/table.py``'s ``now_ticks``, 0.1 s):
     the blocks the next request touches or stores are then stamped later than this one's,
@@ -303,10 +326,7 @@ def run(
         saved = w.stats.totals["saved_bytes"] // max(1, w.stats.totals["saved_blocks"])
         if saved and saved != block_bytes:  # the pool stays as sized; the blocks are what was stored
             block_bytes = int(saved)
-        t1 = send(p, 1)[0]
-        t17 = send(p, 17)[0]
-        decode_tps = 16 / max(t17 - t1, 1e-6)
-        cal, gbps = _calibration(cold, warm, block_bytes, decode_tps, model)
+        cal, gbps = _calibration(cold, warm, block_bytes, decode_rate(send, p), model)
     finally:
         eng.close()
     engine_s, cpu = time.perf_counter() - t_start, meter.stop()
@@ -420,9 +440,7 @@ def run_serve(
                 cold[n].append(send(p)[0])
                 t, loaded = send(p)
                 warm.append((n, loaded, t))
-        t1 = send(p, 1)[0]
-        t17 = send(p, 17)[0]
-        cal, gbps = _calibration(cold, warm, block_bytes, 16 / max(t17 - t1, 1e-6), model)
+        cal, gbps = _calibration(cold, warm, block_bytes, decode_rate(send, p), model)
         cold_s = cal.prefill_s(prompt_len, 0) + preset.output_tokens / cal.decode_tokens_per_s
         qps = preset.rate_fraction / cold_s
         work = make_workload(preset, SERVE_SEED, qps)

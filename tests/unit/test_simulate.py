@@ -343,3 +343,29 @@ def test_a_validate_rows_comparison_fields():
     assert (row["predicted_ttft_p50_s"], row["measured_ttft_p50_s"]) == (0.2, 0.25)
     assert row["ttft_p50_rel_error"] == 0.2 and row["ttft_within_25_percent"]
     assert not _compared(0.6, 0.5, [0.1], [0.2])["hit_within_5_points"]
+
+
+def test_the_decode_probe_compares_requests_that_loaded_the_same_blocks() -> None:
+    # a small stateful engine: the prompt is evicted after the first request that loads it,
+    # so a probe that skipped the warming request would time a cold 1-token request against
+    # a warm 17-token one (a negative difference, once a 16,000,000 tokens/s calibration)
+    from kvfabric.simulate.validate import decode_rate
+
+    state = {"resident": False}
+    calls: list[int] = []
+
+    def send(prompt: list[int], out: int) -> tuple[float, int]:
+        calls.append(out)
+        loaded = 4 if state["resident"] else 0
+        state["resident"] = True
+        prefill = 0.05 if loaded else 1.0
+        return prefill + 0.02 * (out - 1), loaded
+
+    assert abs(decode_rate(send, [1, 2, 3]) - 16 / (0.02 * 16)) < 1e-6
+    assert calls == [1, 1, 17]
+
+    def never_slower(prompt: list[int], out: int) -> tuple[float, int]:
+        return 0.1, 4
+
+    with pytest.raises(RuntimeError, match="decode probe"):
+        decode_rate(never_slower, [1])
