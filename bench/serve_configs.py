@@ -57,37 +57,22 @@ def configs(tmp: str, pool_socket: str, preset: Preset, bytes_per_token: int) ->
 
     tier = 3 * preset.working_set_tokens * bytes_per_token  # both phases and the floor fit
     pool = kvfabric_transfer_config("cache|pool", cache_bytes=str(tier), pool_address=pool_socket)
-    both = {"kv_role": "kv_both"}
+    offload = {"cpu_bytes_to_use": tier}
+
+    def peer(name: str, extra: dict[str, Any] | None = None, **kw: Any) -> Config:
+        """vLLM's in-tree connector ``name`` in both roles, with its extra config."""
+        transfer: dict[str, Any] = {"kv_connector": name, "kv_role": "kv_both"}
+        if extra is not None:
+            transfer["kv_connector_extra_config"] = extra
+        return Config(name, ConfigKind.PEER, transfer, **kw)
+
     return [
         Config("vllm", ConfigKind.BASELINE, None),
         Config("ExampleConnector", ConfigKind.PEER, example_transfer_config(f"{tmp}/example")),
-        Config(
-            "OffloadingConnector",
-            ConfigKind.PEER,
-            {
-                "kv_connector": "OffloadingConnector",
-                **both,
-                "kv_connector_extra_config": {"cpu_bytes_to_use": tier},
-            },
-            refusal=offloading_refusal,
-        ),
-        Config(
-            "SimpleCPUOffloadConnector",
-            ConfigKind.PEER,
-            {
-                "kv_connector": "SimpleCPUOffloadConnector",
-                **both,
-                "kv_connector_extra_config": {"cpu_bytes_to_use": tier},
-            },
-            refusal=simple_offload_refusal,
-        ),
-        Config(
-            "LMCacheConnectorV1",
-            ConfigKind.PEER,
-            {"kv_connector": "LMCacheConnectorV1", **both},
-            needs_module="lmcache",
-        ),
-        Config("MooncakeStoreConnector", ConfigKind.PEER, {"kv_connector": "MooncakeStoreConnector", **both}),
+        peer("OffloadingConnector", offload, refusal=offloading_refusal),
+        peer("SimpleCPUOffloadConnector", offload, refusal=simple_offload_refusal),
+        peer("LMCacheConnectorV1", needs_module="lmcache"),
+        peer("MooncakeStoreConnector"),
         Config("kvfabric cache|pool", ConfigKind.KVFABRIC, pool, floor=True),
         Config("kvfabric posix", ConfigKind.KVFABRIC, kvfabric_transfer_config("posix", f"{tmp}/posix")),
         Config("kvfabric cache|pool, second engine", ConfigKind.KVFABRIC, pool, second_engine=True),

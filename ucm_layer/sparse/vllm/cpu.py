@@ -261,6 +261,7 @@ class KVFabricCPUSparseImpl(SparseImplMixin, CPUAttentionBackendImpl):
     """vLLM's CPU impl with block-sparse decode (see the module docstring)."""
 
     stock_impl = CPUAttentionBackendImpl
+    _key_layout: KeyLayout | None = None  # found at the first forward (the ISA is the builder's)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -270,13 +271,16 @@ class KVFabricCPUSparseImpl(SparseImplMixin, CPUAttentionBackendImpl):
         """The keys as keys: the ``vec`` kernels' writer stores a block's keys transposed
         (``key_layout``); a layout that is neither rows nor columns is refused."""
         k, v = split_cache(kv_cache)
-        layout = key_layout(layer.isa, self.head_size, int(kv_cache.shape[2]), kv_cache.dtype)
+        layout = self._key_layout
+        if layout is None:
+            layout = key_layout(layer.isa, self.head_size, int(kv_cache.shape[2]), kv_cache.dtype)
         if layout is None:
             raise RuntimeError(
                 f"kvfabric sparse: vLLM's CPU attention ISA {layer.isa!r} stores keys in a layout "
                 "kvfabric cannot read back (neither rows nor columns per block); run without "
                 "kvfabric_sparse on this machine"
             )
+        self._key_layout = layout
         return LayerKV(key_rows(k, layout).transpose(0, 1), v.transpose(0, 1))
 
     def _num_blocks(self, kv_cache: torch.Tensor) -> int:
