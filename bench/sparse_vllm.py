@@ -160,11 +160,24 @@ def _engine(model: Path, kv_bytes: int, max_len: int) -> Any:
     return make_engine(model, None, kv_bytes=kv_bytes, max_model_len=max_len)
 
 
-def _read_stats(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+def _read_stats(path: Path, settle_s: float = 0.6, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The backend's stats file once it stopped changing for ``settle_s`` (its thread
+    writes it within about 0.25 s of the last step; ``{}``: no file)."""
+
+    def read() -> dict[str, Any]:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    last, deadline = read(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(settle_s)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 @dataclass(frozen=True)

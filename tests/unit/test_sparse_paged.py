@@ -179,3 +179,55 @@ def test_a_block_table_with_another_requests_blocks_runs_dense(tmp_path) -> None
     # the dropped state is not trusted again: the row stays dense from then on
     sel = _run(rt, table, [n + 2, n + 2], [1, 1], q, k, kv)
     assert sel is not None and sel.rows == (1,)
+
+
+@pytest.mark.parametrize("name", ["gsa", "quest", "meankey"])
+def test_blocks_summarised_when_they_fill_select_what_per_key_updates_select(name: str) -> None:
+    """``seal`` from the cache (a block when it fills, the partial last block before a
+    selection) against ``append`` of every key: the same summaries for every block a
+    selection ranks or normalises over, the same selections at every decode step."""
+    torch.manual_seed(5)
+    plugin = create(name, SPEC, {"budget_tokens": 6 * BS, "sink_blocks": 1, "recent_blocks": 1})
+    per_key, sealing = PagedSelector(plugin), PagedSelector(plugin)
+    assert sealing.seals
+    kv = LayerKV(torch.zeros(H, NB, BS, D), torch.zeros(H, NB, BS, D))
+    perm = torch.randperm(NB)
+    prompts = [13 * BS + 3, 9 * BS]  # one ends inside a block, one on a block edge
+    rows, slots = [], []
+    for r, n in enumerate(prompts):
+        row = perm[r * 40 : (r + 1) * 40]
+        _write(kv, row, torch.randn(n, H, D) * 2, 0)
+        q = torch.randn(n, H * G, D)
+        for sel in (per_key, sealing):
+            slot = sel.begin(f"r{r}")
+            sel.prompt_chunk(0, slot, q, 0)
+            sel.fit_prompt(0, kv, slot, n, row)
+        rows.append(row)
+        slots.append(slot)
+    slot_t = torch.tensor(slots)
+    for t in range(3 * BS):
+        pos = torch.tensor([n + t for n in prompts])
+        keys = torch.randn(len(prompts), H, D) * 2
+        for r in range(len(prompts)):
+            _write(kv, rows[r], keys[r : r + 1], int(pos[r]))
+        phys = torch.stack([rows[r][int(p) // BS] for r, p in enumerate(pos)])
+        per_key.append(0, kv, slot_t, keys, phys, pos % BS == 0)
+        full = [r for r, p in enumerate(pos.tolist()) if p % BS == 0 and p >= BS]
+        if full:
+            prev = torch.stack([rows[r][int(pos[r]) // BS - 1] for r in full])
+            sealing.seal(0, kv, slot_t[full], prev, torch.full((len(full),), BS))
+        if t % 3 == 0:  # the rows select in this step: their partial blocks first
+            sealing.seal(0, kv, slot_t, phys, pos % BS + 1)
+        else:
+            continue
+        seqs = (pos + 1).tolist()
+        sr = SparseRows(torch.stack(rows), seqs, slots, plugin)
+        q = torch.randn(len(prompts), H * G, D)
+        a, la = per_key.select(0, kv, sr, q)
+        b, lb = sealing.select(0, kv, sr, q)
+        assert torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values) and torch.equal(la, lb), t
+        for r, s in enumerate(seqs):  # every block's summary is the per-key one
+            done = rows[r][: -(-s // BS)].long()
+            torch.testing.assert_close(
+                sealing.layers[0].store[:, :, done], per_key.layers[0].store[:, :, done]
+            )

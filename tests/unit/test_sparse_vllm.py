@@ -192,6 +192,7 @@ def test_runtime_tracks_requests_by_their_first_block_and_goes_sparse_past_the_b
     # a new prefill from position 0 on the same first block replaces the finished request
     plan, chosen = _step(rt, table[:1], [2 * BS], [2 * BS])
     assert rt.stats.requests == 2 and len(rt._by_block) == 1
+    rt.close()  # the stats file's thread writes the last step's counters now
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["sparse_layer_steps"] == 4 and stats["blocks_selected"] == 16 and stats["blocks_total"] == 44
     assert stats["layers"][0] == {"sparse": 2, "dense": 1} and stats["plugin"]["selections"] > 0
@@ -251,6 +252,61 @@ def test_a_prompt_prefilled_in_chunks_selects_what_one_prefill_would(tmp_path, b
     assert bool((whole == NEEDLE).any(dim=-1).all())  # every layer and head finds the needle
     for chunks in ([BS + 3, prompt - BS - 3], [BS + 3, 7 * BS, prompt - 8 * BS - 3]):
         assert torch.equal(_chunked_selection(tmp_path, batched, chunks), whole), chunks
+
+
+def _decode_selections(tmp_path, batched: bool, switch: int) -> list[list[list[int]] | None]:
+    """Per decode step, the logical blocks (layer 0, per KV head, sorted) one request
+    selects, or None while it is below the switch. The request decodes ``2 * BS`` tokens
+    past a ``10 * BS + 5`` prompt and crosses ``min_seq_len`` (``switch``) on the way;
+    the keys of block 11, written by decode steps only, lie along the later queries."""
+    torch.manual_seed(7)
+    rt = _runtime(
+        tmp_path, batched=batched, budget_tokens=4 * BS, sink_blocks=1, recent_blocks=1, min_seq_len=switch
+    )
+    table = torch.randperm(40, dtype=torch.int32)[:20].view(1, 20)
+    prompt, steps = 10 * BS + 5, 3 * BS
+    total = prompt + steps
+    k, v = torch.randn(total, H, D), torch.randn(total, H, D)
+    u = torch.zeros(D)
+    u[:8] = 1.0
+    k[11 * BS : 12 * BS] += 3 * u
+    q = torch.randn(total, H * G, D)
+    q[12 * BS :] += 3 * u
+    kv = _kv()
+    out: list[list[list[int]] | None] = []
+    logical = {int(b): i for i, b in enumerate(table[0].tolist())}
+    pos = 0
+    for n in [prompt] + [1] * steps:
+        at = torch.arange(pos, pos + n)
+        kv.k[:, table[0, at // BS].long(), at % BS] = k[pos : pos + n].transpose(0, 1)
+        qsl = torch.tensor([0, n], dtype=torch.int32)
+        plan = rt.plan(object(), table, torch.tensor([pos + n], dtype=torch.int32), qsl, kv.num_blocks)
+        assert plan is not None
+        step = (q[pos : pos + n], k[pos : pos + n], v[pos : pos + n])
+        chosen = []
+        for layer in range(2):
+            chosen.append(rt.layer_begin(plan, layer, step, kv))
+            rt.layer_end(plan, layer, torch.zeros(n, H * G, D), kv)
+        if n == 1:
+            c = chosen[0]
+            out.append(None if c is None else [sorted(logical[int(b)] for b in hd) for hd in c.physical[0]])
+        pos += n
+    return out
+
+
+@pytest.mark.parametrize("switch", [11 * BS, 12 * BS + 3])
+def test_decode_keys_reach_the_summaries_as_per_request_updates_make_them(tmp_path, switch) -> None:
+    # the batched path summarises a block from the cache when it fills (block 11 fills
+    # below a switch of 12 * BS + 3) and the partial block before a selection (block 11
+    # fills while the request selects at 11 * BS); the hooks update per key: the same
+    # selections
+    batched = _decode_selections(tmp_path, True, switch)
+    assert batched == _decode_selections(tmp_path, False, switch)
+    first = switch - (10 * BS + 5) - 1  # the first step at the switch's length
+    assert all(sel is None for sel in batched[:first]) and None not in batched[first:]
+    # once block 11 is full and not the recent block, every selection finds its keys
+    late = batched[max(first, 12 * BS + 1 - (10 * BS + 5)) :]
+    assert late and all(11 in head for sel in late for head in sel)
 
 
 def test_runtime_keeps_short_contexts_dense(tmp_path) -> None:

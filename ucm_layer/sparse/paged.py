@@ -8,10 +8,12 @@ request of a step in one layer with a few tensor operations:
 - summaries live in one preallocated tensor per layer indexed by **physical block**
   (``(H, width, num_blocks)``), written when the request decodes its first token (from
   the prompt's keys in the cache, :meth:`PagedSelector.fit_prompt`: the whole prompt,
-  however many chunks the engine prefilled it in) and updated
-  in place for the one block each decode token lands in (``append``: every decoding
-  request of the step in one gather / ``where`` / scatter). A request's other per-layer
-  state (GSA's basis) is one row of a per-layer ``(slots, ...)`` tensor;
+  however many chunks the engine prefilled it in), then, as decode tokens come, either
+  from the cache (``seal``: a block once when it fills, and the partial last block of
+  each row that selects, just before it does: a request below the switch costs nothing
+  per token) or in place per token (``append``: every decoding request of the step in
+  one gather / ``where`` / scatter). A request's other per-layer state (GSA's basis) is
+  one row of a per-layer ``(slots, ...)`` tensor;
 - scoring is one product of every row's query weights with the store, one gather of the
   scores of the rows' blocks by their padded block tables (:class:`SparseRows`, built once
   per step and shared by every layer), one masked softmax, one ``topk`` (plus one for the
@@ -180,6 +182,15 @@ class PagedScorer(abc.ABC):
         """One key per request: ``keys (S, H, D)`` into physical blocks ``phys (S,)``;
         ``fresh (S,)``: the key is its block's first."""
 
+    #: whether :meth:`seal` summarises a full block from the cache (else decode keys need ``append``)
+    seals: bool = False
+
+    def seal(self, slots: torch.Tensor, kv: LayerKV, phys: torch.Tensor, counts: torch.Tensor) -> None:
+        """The summaries of physical blocks ``phys (S,)`` (one per slot ``slots (S,)``) from
+        their first ``counts (S,)`` keys in ``kv`` (1..block_size; the rest are not read):
+        what ``append`` of each of those keys would have made."""
+        raise NotImplementedError(f"{type(self).__name__} summarises per key (append)")
+
     @abc.abstractmethod
     def scores(
         self, rows: SparseRows, q: torch.Tensor, kv: LayerKV
@@ -284,6 +295,16 @@ class RowMaxPaged(_ColumnStore):
         cur = self.store.index_select(2, phys)
         self._write(phys, torch.where(fresh.view(1, 1, -1), rows, torch.maximum(cur, rows)))
 
+    seals = True
+
+    def seal(self, slots: torch.Tensor, kv: LayerKV, phys: torch.Tensor, counts: torch.Tensor) -> None:
+        # indexing, not index_select, which copies a strided cache view whole (vLLM CPU's
+        # keys); then contiguous: the products below take a slow path on strided keys
+        keys = kv.k[:, phys].transpose(0, 1).contiguous()  # (S, H, bs, D)
+        rows = self.rm.rows_with(keys, self._params(slots))  # (S, H, bs, width)
+        held = torch.arange(self.bs, device=phys.device).view(1, 1, -1, 1) < counts.view(-1, 1, 1, 1)
+        self._write(phys, rows.masked_fill(~held, _NEG).amax(dim=2).permute(1, 2, 0))
+
     def scores(
         self, rows: SparseRows, q: torch.Tensor, kv: LayerKV
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -330,6 +351,13 @@ class MeanKeyPaged(_ColumnStore):
         k = keys.permute(1, 2, 0)  # (H, D, S)
         cur = self.store.index_select(2, phys)
         self._write(phys, torch.where(fresh.view(1, 1, -1), k, cur + k))
+
+    seals = True
+
+    def seal(self, slots: torch.Tensor, kv: LayerKV, phys: torch.Tensor, counts: torch.Tensor) -> None:
+        keys = kv.k[:, phys]  # (H, S, bs, D)
+        held = torch.arange(self.bs, device=phys.device).view(1, 1, -1, 1) < counts.view(1, -1, 1, 1)
+        self._write(phys, keys.masked_fill(~held, 0.0).sum(dim=2).transpose(1, 2))  # (H, D, S)
 
     def scores(
         self, rows: SparseRows, q: torch.Tensor, kv: LayerKV
@@ -494,6 +522,23 @@ class PagedSelector:
         """One new key per decoding request, ``keys (S, H, D)`` (see ``PagedScorer.append``)."""
         if slots.numel():
             self.layer(layer, kv).append(slots, keys, phys, fresh)
+
+    @property
+    def seals(self) -> bool:
+        """Whether the scorer can summarise a block from the cache (:meth:`seal`), so that
+        decode keys need no per-token :meth:`append`: an engine then seals each block once
+        when it fills, and before a selection the partial last block of every selecting row
+        (its summary is in the softmax's normaliser), which gives every selection the
+        summaries per-token updates would have made."""
+        return self._kind.seals
+
+    def seal(
+        self, layer: int, kv: LayerKV, slots: torch.Tensor, phys: torch.Tensor, counts: torch.Tensor
+    ) -> None:
+        """Blocks ``phys (S,)`` of slots ``slots (S,)`` summarised from their first
+        ``counts (S,)`` keys in ``kv`` (see :attr:`seals`)."""
+        if slots.numel():
+            self.layer(layer, kv).seal(slots, kv, phys, counts)
 
     def select(
         self, layer: int, kv: LayerKV, rows: SparseRows, q: torch.Tensor

@@ -4,8 +4,9 @@ Three places, all optional (the backend is a pass-through when neither names an 
 
 ``additional_config["kvfabric_sparse"]`` (``--additional-config '{"kvfabric_sparse": {...}}'``)
     ``algorithm``: a name of the sparse registry (``gsa``, ``quest``, ``meankey``, ``hata``,
-    ``oracle``, ``dense``); ``stats_path``: a file the worker rewrites after every step with
-    the backend's counters (JSON; ``{rank}`` in the path is replaced by the worker's rank);
+    ``oracle``, ``dense``); ``stats_path``: a file the worker rewrites with the backend's
+    counters after the steps (JSON, by a thread: current within about 0.25 s of the last
+    step, at once when the worker exits; ``{rank}`` in the path is replaced by the worker's rank);
     every other key goes to the algorithm unchanged (``budget_tokens``, ``min_seq_len``,
     ``sink_blocks``, ``recent_blocks``, ``rank``, ... as ``BlockSparseConfig`` names them).
 ``KVFABRIC_SPARSE`` (environment, read in every vLLM process)

@@ -27,11 +27,12 @@ batched (``sparse.paged.PagedSelector``: every block-sparse algorithm without
     kept; first decode steps, which fit the summaries on the whole prompt read from the
     cache, so that a prompt vLLM prefilled in chunks is summarised as one; decode rows; the
     rows that select and their padded block tables, ``paged.SparseRows``); per layer one
-    batched summary update for every decoding row and one batched selection (a few tensor
-    operations, no loop over requests, heads or blocks). A one-token chunk in the middle
-    of a prompt (a step's budget ending one token into it) looks like a decode step to an
-    attention backend: the fit then happens there, on the tokens so far, and the rest of
-    the prompt extends the summaries. The summaries are keyed by
+    batched summary update (the new keys of the rows that may select; the others' only
+    when a block fills, from the cache: ``_plan_decode_keys``) and one batched selection
+    (a few tensor operations, no loop over requests, heads or blocks). A one-token chunk
+    in the middle of a prompt (a step's budget ending one token into it) looks like a
+    decode step to an attention backend: the fit then happens there, on the tokens so far,
+    and the rest of the prompt extends the summaries. The summaries are keyed by
     physical block; before a step, every block a continuing row's state has seen must
     still be owned by that state (``owner``, one gather per step), or the row runs dense
     and the state is dropped (``identity_mismatch``).
@@ -52,12 +53,14 @@ state in a step are both dense and the state is dropped. A state no row matched 
 in every step, and a finished request's row never comes back.
 
 Memory: the runtime reads vLLM's metadata and the step's query/key/value; it never writes
-vLLM's tensors (the impl rewrites copies of the block table). Stats are host counters.
+vLLM's tensors (the impl rewrites copies of the block table). Stats are host counters; with
+a ``stats_path`` every step's snapshot goes to a :class:`statsfile.StatsFile`, whose thread
+writes the file (current within about 0.25 s of the last step; at ``close``, at once).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -75,6 +78,7 @@ from kvfabric.ucm_layer.sparse.base import (
 from kvfabric.ucm_layer.sparse.paged import PagedSelector, SparseRows, paged_support
 from kvfabric.ucm_layer.sparse.vllm import timing
 from kvfabric.ucm_layer.sparse.vllm.config import SparseBackendConfig
+from kvfabric.ucm_layer.sparse.vllm.statsfile import StatsFile
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +94,7 @@ class _Tracked:
     last_step: int = 0
     slot: int = -1  # the batched selector's slot
     fitted: bool = False  # batched: summaries fitted on the prompt (at its first decode step)
+    synced: bool = False  # batched: the summaries hold every key before the next token's
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,9 @@ class StepPlan:
     dec_identity: bool = False
     dec_phys: Any = None  # (Sd,) physical block of each new token
     dec_fresh: Any = None  # (Sd,) bool: the new token starts its block
+    seal_slots: Any = None  # sealing selector: the slots of the blocks summarised this step,
+    seal_phys: Any = None  # their physical blocks
+    seal_counts: Any = None  # and the keys each holds
     groups: list[_Group] = field(default_factory=list)
     blocks_selected: int = 0  # per sparse layer: sum over rows of blocks read per head
     blocks_total: int = 0  # ... and of the blocks dense reads
@@ -190,6 +198,7 @@ class SparseRuntime:
         )
         self.max_requests, self.idle_steps = max_requests, idle_steps
         self.stats_path = config.stats_path.replace("{rank}", str(rank)) if config.stats_path else None
+        self.stats_file = StatsFile(self.stats_path) if self.stats_path else None
         self.stats = RuntimeStats(layers=[LayerCounters() for _ in range(spec.num_layers)])
         self._by_block: dict[int, _Tracked] = {}
         self._next_id = 0
@@ -354,8 +363,10 @@ class SparseRuntime:
         )
         cfg = self.plugin.cfg  # type: ignore[attr-defined]
         sel = cfg.selection
-        dec_rows, dec_tok, dec_slots, dec_pos = [], [], [], []
+        seals = paged.seals
+        decs: list[tuple[int, _Tracked, int]] = []  # (row, state, position of the new token)
         long: list[tuple[int, int, int]] = []  # (row, seq, slot)
+        sealed: list[tuple[int, int, int, int]] = []  # (row, slot, logical block, keys)
         for i, st in picked:
             seq, n = int(seqs[i]), qsl[i + 1] - qsl[i]
             start = seq - n
@@ -364,27 +375,36 @@ class SparseRuntime:
                 owner[block_table[i, nb_prev:nb_new].to(torch.int64)] = st.slot
             if not st.fitted and (start == 0 or n > 1):  # a prompt chunk
                 plan.chunks.append((i, st.slot, qsl[i], qsl[i + 1], start))
+            elif n > 1 and seals:  # the blocks the chunk wrote (and the one before), from the cache
+                for b in range((start - 1) // bs, (seq - 1) // bs + 1):
+                    sealed.append((i, st.slot, b, min(seq - b * bs, bs)))
+                st.synced = True
             elif n > 1:
                 plan.extends.append((i, st.slot, qsl[i], qsl[i + 1], start))
             else:
                 if not st.fitted:  # the first decode step: the prompt is complete
                     plan.fits.append((i, st.slot, start))
-                    st.fitted = True
-                dec_rows.append(i)
-                dec_tok.append(qsl[i])
-                dec_slots.append(st.slot)
-                dec_pos.append(seq - 1)
+                    st.fitted = st.synced = True
+                decs.append((i, st, seq - 1))
                 if seq >= cfg.min_seq_len and sel.num_selected(seq, bs) * bs < seq:
                     long.append((i, seq, st.slot))
             st.tokens, st.last_step = seq, step
-        if dec_rows:
-            rows_t = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
-            pos = torch.tensor(dec_pos, dtype=torch.int64, device=dev)
-            plan.dec_slots = torch.tensor(dec_slots, dtype=torch.int64, device=dev)
-            plan.dec_identity = dec_tok == list(range(len(dec_tok)))
-            plan.dec_tokens = torch.tensor(dec_tok, dtype=torch.int64, device=dev)
-            plan.dec_phys = block_table[rows_t, pos // bs].to(torch.int64)
-            plan.dec_fresh = pos % bs == 0
+        dev_t = functools.partial(torch.tensor, dtype=torch.int64, device=dev)
+        if decs:
+            appended = self._plan_decode_keys(decs, {r for r, _, _ in long}, seals, sealed)
+            if appended:
+                rows_t = dev_t([i for i, _, _ in appended])
+                pos = dev_t([p for _, _, p in appended])
+                tok = [qsl[i] for i, _, _ in appended]
+                plan.dec_slots = dev_t([st.slot for _, st, _ in appended])
+                plan.dec_identity = tok == list(range(len(tok)))
+                plan.dec_tokens = dev_t(tok)
+                plan.dec_phys = block_table[rows_t, pos // bs].to(torch.int64)
+                plan.dec_fresh = pos % bs == 0
+        if sealed:
+            srows, slots, blocks, counts = zip(*sealed)
+            plan.seal_slots, plan.seal_counts = dev_t(slots), dev_t(counts)
+            plan.seal_phys = block_table[dev_t(srows), dev_t(blocks)].to(torch.int64)
         if len(long) >= cfg.min_long_requests:
             by_k: dict[int, list[tuple[int, int, int]]] = {}
             for r in long:
@@ -415,6 +435,40 @@ class SparseRuntime:
                 plan.blocks_selected += k * len(rs)
                 plan.blocks_total += sum(-(-s // bs) for _, s, _ in rs)
         return plan
+
+    def _plan_decode_keys(
+        self,
+        decs: list[tuple[int, _Tracked, int]],
+        long: set[int],
+        seals: bool,
+        sealed: list[tuple[int, int, int, int]],
+    ) -> list[tuple[int, _Tracked, int]]:
+        """How each decode row's new key reaches the summaries: the rows whose key is
+        appended per token (returned), and the blocks summarised from the cache (added to
+        ``sealed``). Without ``seals`` every row appends. With it (``PagedSelector.seals``),
+        a row that may select (``long``) keeps its summaries exact: it appends while they
+        hold every earlier key (``synced``), else its partial block (and the block before,
+        if that just filled) is summarised from the cache; any other row is left behind
+        (no work per token) and only a block that fills while it lags is summarised."""
+        if not seals:
+            return decs
+        bs = self.spec.block_size
+        appended = []
+        for i, st, p in decs:
+            fresh = p % bs == 0 and p >= bs
+            if i in long:
+                if st.synced:
+                    appended.append((i, st, p))
+                else:
+                    if fresh:
+                        sealed.append((i, st.slot, p // bs - 1, bs))
+                    sealed.append((i, st.slot, p // bs, p % bs + 1))
+                st.synced = True
+            else:
+                if fresh and not st.synced:
+                    sealed.append((i, st.slot, p // bs - 1, bs))
+                st.synced = False
+        return appended
 
     def _check_owner(
         self, block_table: torch.Tensor, owner: torch.Tensor, picked: list[tuple[int, _Tracked]]
@@ -498,7 +552,9 @@ class SparseRuntime:
             paged.fit_prompt(layer, kv, slot, tokens, bt[i])
         for i, slot, t0, t1, start in plan.extends:
             paged.extend(layer, kv, slot, k[t0:t1], start, bt[i])
-        if plan.dec_slots is not None:
+        if plan.seal_slots is not None:
+            paged.seal(layer, kv, plan.seal_slots, plan.seal_phys, plan.seal_counts)
+        if plan.dec_phys is not None:
             n = int(plan.dec_slots.numel())
             keys = k[:n] if plan.dec_identity else k.index_select(0, plan.dec_tokens)
             paged.append(layer, kv, plan.dec_slots, keys, plan.dec_phys, plan.dec_fresh)
@@ -611,17 +667,15 @@ class SparseRuntime:
         }
 
     def _write_stats(self) -> None:
-        if self.stats_path is None:
-            return
-        tmp = f"{self.stats_path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.snapshot(), f)
-        os.replace(tmp, self.stats_path)
+        if self.stats_file is not None:  # written by the file's thread, off the forward
+            self.stats_file.publish(self.snapshot())
 
     def close(self) -> None:
-        """Finish the pending step, write the stats, release the plugin."""
+        """Finish the pending step, write the stats (now), release the plugin."""
         if self._plan is not None and not self._plan.done:
             self._finish_step(self._plan)
+        if self.stats_file is not None:
+            self.stats_file.close()
         self.plugin.close()
 
 
