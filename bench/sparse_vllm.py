@@ -3,7 +3,8 @@ inside a vLLM engine (CPU build), against the stock backend in the same run.
 
 What runs can be narrowed with ``KVFABRIC_BENCH_SPARSE_VLLM`` (JSON, :class:`RunConfig`):
 ``{"cases": ["tiny"]}`` (the tiny Llama only; ``"smollm2"`` the passkey groups only),
-``tiny_context`` / ``tiny_prompts``, ``smollm2_contexts`` / ``smollm2_prompts``,
+``tiny_context`` / ``tiny_prompts`` / ``tiny_budget`` (2,048), ``smollm2_contexts`` /
+``smollm2_prompts`` / ``smollm2_budget`` (1,024),
 ``methods`` (sparse registry names) and ``options`` (more keys for every sparse engine's
 ``KVFABRIC_SPARSE``; rows then carry them and are not ``"default"``).
 
@@ -95,6 +96,8 @@ class RunConfig:
     tiny_prompts: int = 8
     smollm2_contexts: tuple[int, ...] | None = None  # None: 4,300 and 7,500 (--quick: 4,300)
     smollm2_prompts: int = 8
+    tiny_budget: int = 2048
+    smollm2_budget: int = 1024
     methods: tuple[str, ...] | None = None
     options: tuple[tuple[str, Any], ...] = ()
 
@@ -102,7 +105,7 @@ class RunConfig:
         bad = sorted(set(self.cases) - {"tiny", "smollm2"})
         if bad:
             raise ValueError(f"KVFABRIC_BENCH_SPARSE_VLLM cases {bad}: expected tiny, smollm2")
-        for key in ("tiny_context", "tiny_prompts", "smollm2_prompts"):
+        for key in ("tiny_context", "tiny_prompts", "smollm2_prompts", "tiny_budget", "smollm2_budget"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"KVFABRIC_BENCH_SPARSE_VLLM {key}={v!r}: expected an integer >= 1")
@@ -465,14 +468,22 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
             offset = 100 * SMOLLM2_CONTEXTS.index(n) if n in SMOLLM2_CONTEXTS else 100 * i
             pks = [build_prompt(tok, s) for s in prompt_specs(n, rc.smollm2_prompts, offset=offset)]
             groups.append(
-                Group("smollm2", n, 1024, tuple(tuple(p.ids) for p in pks), tuple(p.answer for p in pks))
+                Group(
+                    "smollm2",
+                    n,
+                    rc.smollm2_budget,
+                    tuple(tuple(p.ids) for p in pks),
+                    tuple(p.answer for p in pks),
+                )
             )
     rng = random.Random(0)
     n = rc.tiny_context
     tiny = tuple(tuple(rng.randrange(1, 512) for _ in range(n)) for _ in range(rc.tiny_prompts))
     with tempfile.TemporaryDirectory(prefix="kvf-sparse-vllm-") as work:
         if "tiny" in rc.cases:
-            yield from group_rows([Group("tiny-llama", n, 2048, tiny, None)], methods, 12, 12, Path(work))
+            yield from group_rows(
+                [Group("tiny-llama", n, rc.tiny_budget, tiny, None)], methods, 12, 12, Path(work)
+            )
         if groups:
             yield from group_rows(groups, methods, NEW_TOKENS, 12, Path(work), tok)
 
