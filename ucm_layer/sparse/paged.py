@@ -9,10 +9,10 @@ request of a step in one layer with a few tensor operations:
   (``(H, width, num_blocks)``), written when the request decodes its first token (from
   the prompt's keys in the cache, :meth:`PagedSelector.fit_prompt`: the whole prompt,
   however many chunks the engine prefilled it in), then, as decode tokens come, either
-  from the cache (``seal``: a block once when it fills, and the partial last block of
-  each row that selects, just before it does: a request below the switch costs nothing
-  per token) or in place per token (``append``: every decoding request of the step in
-  one gather / ``where`` / scatter). A request's other per-layer state (GSA's basis) is
+  from the cache (``seal``: a block once when it fills, and the partial last block of a
+  row that starts selecting while its summaries lag: a request below the switch costs
+  nothing per token) or in place per token (``append``: every request that may select,
+  one gather / ``where`` / scatter for the step). A request's other per-layer state (GSA's basis) is
   one row of a per-layer ``(slots, ...)`` tensor;
 - scoring is one product of every row's query weights with the store, one gather of the
   scores of the rows' blocks by their padded block tables (:class:`SparseRows`, built once
@@ -526,10 +526,10 @@ class PagedSelector:
     @property
     def seals(self) -> bool:
         """Whether the scorer can summarise a block from the cache (:meth:`seal`), so that
-        decode keys need no per-token :meth:`append`: an engine then seals each block once
-        when it fills, and before a selection the partial last block of every selecting row
-        (its summary is in the softmax's normaliser), which gives every selection the
-        summaries per-token updates would have made."""
+        decode keys need no per-token :meth:`append` for a request that does not select: an
+        engine then seals each block once when it fills, and before a lagging request's
+        first selection its partial last block (whose summary is in the softmax's
+        normaliser), which gives every selection the summaries per-token updates make."""
         return self._kind.seals
 
     def seal(
