@@ -6,7 +6,10 @@ Cases (every row: ``nbytes``, ``pieces``, ``gbps``, ``memcpy_gbps``, ``ratio_vs_
 * ``mapped``: one piece, 64 KiB to 64 MiB, from a local buffer into the window of a
   rank in another process (mapped here), ``xcopy_sync`` per call. Baseline:
   ``numpy.copyto`` of the same bytes between the same memory (numpy views of the source
-  buffer and of the mapped window), alternated call by call with ours.
+  buffer and of the mapped window), alternated call by call with ours. The fabric's own
+  share: ``platform_copy_ratio_vs_memcpy`` / ``platform_copy_p50_us``, the same copies
+  through ``Platform.copy`` onto spans resolved beforehand (no GVA decode, version check
+  or pin), against the same baseline.
 * ``mapped-block``: ``batch_xcopy_sync`` of one DeepSeek-R1 KV block as published
   MemCache figures use it, 61 x 128 KiB + 61 x 16 KiB = 122 pieces (8.57 MiB), from
   scattered local pieces into one region of the other process's window. Baseline
@@ -127,10 +130,26 @@ def run_mapped(ctx: BenchContext) -> Iterator[dict[str, Any]]:
                         lambda o=(half + i) * size, n=size, w=win: np.copyto(w[o : o + n], srcv[o : o + n])
                         for i in range(half)
                     ]
+                    # the fabric's share: Platform.copy straight onto the resolved span
+                    spans = [fab.resolve(remote + i * size, size) for i in range(half)]
+                    direct = [
+                        lambda o=i * size, n=size, d=d: plat.copy(d, src.at(o, n), n)
+                        for i, d in enumerate(spans)
+                    ]
                     t = measure(ours, base, rounds)
+                    tp = measure(direct, base, rounds)
                     huge = pg.huge_mapped_kib(int(win.ctypes.data))
                     yield row(
-                        "mapped", size, 1, t, rounds, platform=plat.name, pages=kind, huge_mapped_kib=huge
+                        "mapped",
+                        size,
+                        1,
+                        t,
+                        rounds,
+                        platform=plat.name,
+                        pages=kind,
+                        huge_mapped_kib=huge,
+                        platform_copy_ratio_vs_memcpy=round(tp.base_s / tp.ours_s, 3),
+                        platform_copy_p50_us=round(tp.p50_us, 1),
                     )
             for remote, win, kind in zip(remotes, wins, kinds_of):
                 yield {**block_row(fab, plat.name, remote, src, win, srcv, ws, rounds), "pages": kind}

@@ -28,6 +28,8 @@ def test_bench_xcopy_quick_json():
     block = next(r for r in measured if r["case"] == "mapped-block")
     assert block["pieces"] == 122 and block["nbytes"] == 61 * (128 << 10) + 61 * (16 << 10)
     assert block["memcpy_contiguous_gbps"] > 0 and block["ratio_vs_contiguous"] > 0
+    for r in (r for r in measured if r["case"] == "mapped"):  # the fabric's share, beside it
+        assert r["platform_copy_ratio_vs_memcpy"] > 0 and r["platform_copy_p50_us"] > 0
     for r in measured:
         for key in FIELDS:
             assert key in r, (key, r)
