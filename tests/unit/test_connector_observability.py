@@ -336,7 +336,7 @@ def test_the_sparse_runtime_times_each_requests_selections(tmp_path, batched):
     from kvfabric.ucm_layer.sparse.vllm.runtime import SparseRuntime
 
     h, g, d, bs = 2, 3, 32, 32
-    cfg = from_mapping({"algorithm": "gsa", "min_seq_len": 0, "budget_tokens": 4 * bs})
+    cfg = from_mapping({"algorithm": "gsa", "min_seq_len": 0, "min_skipped_kv": 0, "budget_tokens": 4 * bs})
     spec = ModelSpec(num_layers=2, num_q_heads=h * g, num_kv_heads=h, head_dim=d, block_size=bs)
     rt = SparseRuntime(cfg, spec, batched=batched)
     kv = LayerKV(torch.zeros(h, 64, bs, d), torch.zeros(h, 64, bs, d))

@@ -120,6 +120,7 @@ def _runtime(tmp_path) -> SparseRuntime:
             "algorithm": "gsa",
             "budget_tokens": 4 * BS,
             "min_seq_len": 0,
+            "min_skipped_kv": 0,
             "stats_path": str(tmp_path / "stats.json"),
         }
     )

@@ -14,7 +14,7 @@ from kvfabric.harness.sparse.engine import PagedEngine
 from kvfabric.ucm_layer.sparse import base
 from kvfabric.ucm_layer.sparse.base import AttnMode, ModelSpec, StepBatch, create
 from kvfabric.ucm_layer.sparse.gsa.plugin import GSA
-from kvfabric.ucm_layer.sparse.gsa.policy import BlockSparseConfig, decide_modes
+from kvfabric.ucm_layer.sparse.gsa.policy import BlockSparseConfig, decide_modes, skipped_kv, worth_sparse
 
 BS = 8
 
@@ -150,13 +150,33 @@ def test_switch_rules():
         {"budget_tokens": 64, "min_seq_len": 100, "min_long_requests": 2, "dense_layers": [0]}
     )
     batch = StepBatch(("a", "b", "c"), (500, 400, 50), (1, 1, 1))
-    modes = decide_modes(batch, 3, cfg, 16)
+    modes = decide_modes(batch, 3, cfg, 16, 8)
     assert modes[0] == (AttnMode.DENSE, AttnMode.SPARSE, AttnMode.SPARSE)
     assert modes[2] == (AttnMode.DENSE,) * 3  # short
-    alone = decide_modes(StepBatch(("a", "c"), (500, 50), (1, 1)), 3, cfg, 16)
+    alone = decide_modes(StepBatch(("a", "c"), (500, 50), (1, 1)), 3, cfg, 16, 8)
     assert all(m is AttnMode.DENSE for row in alone for m in row)  # too few long requests
-    prefill = decide_modes(StepBatch(("a", "b"), (500, 400), (500, 1)), 3, cfg, 16)
+    prefill = decide_modes(StepBatch(("a", "b"), (500, 400), (500, 1)), 3, cfg, 16, 8)
     assert all(m is AttnMode.DENSE for m in prefill[0])
+
+
+def test_the_cost_aware_switch_counts_the_key_elements_the_qualifying_requests_skip():
+    base = {"budget_tokens": 64, "min_seq_len": 100}
+    cfg = BlockSparseConfig.from_mapping(base)
+    # 4 blocks of 16 selected: (500 - 64) + (400 - 64) tokens skipped; the short one is not counted
+    assert skipped_kv([500, 400], cfg, 16, 8) == (436 + 336) * 8
+    batch = StepBatch(("a", "b", "c"), (500, 400, 50), (1, 1, 1))
+    for floor, sparse in ((0, True), (772 * 8, True), (772 * 8 + 1, False)):
+        c = BlockSparseConfig.from_mapping({**base, "min_skipped_kv": floor})
+        assert worth_sparse([500, 400], c, 16, 8) is sparse
+        modes = decide_modes(batch, 2, c, 16, 8)
+        want = AttnMode.SPARSE if sparse else AttnMode.DENSE
+        assert modes[0] == modes[1] == (want, want), floor
+        assert modes[2] == (AttnMode.DENSE,) * 2
+    # the same floor is met by wider KV (more heads or a larger head dim)
+    c = BlockSparseConfig.from_mapping({**base, "min_skipped_kv": 772 * 8 + 1})
+    assert worth_sparse([500, 400], c, 16, 16)
+    with pytest.raises(ValueError, match="min_skipped_kv"):
+        BlockSparseConfig.from_mapping({**base, "min_skipped_kv": -1})
 
 
 def test_configuration_is_validated_at_start():

@@ -142,7 +142,13 @@ def test_folded_rows_with_every_block_equal_the_stock_dense_call() -> None:
 
 def _runtime(tmp_path, idle_steps: int = 32, batched: bool = True, **options) -> SparseRuntime:
     cfg = from_mapping(
-        {"algorithm": "gsa", "stats_path": str(tmp_path / "stats.json"), "min_seq_len": 0, **options}
+        {
+            "algorithm": "gsa",
+            "stats_path": str(tmp_path / "stats.json"),
+            "min_seq_len": 0,
+            "min_skipped_kv": 0,
+            **options,
+        }
     )
     spec = ModelSpec(num_layers=2, num_q_heads=H * G, num_kv_heads=H, head_dim=D, block_size=BS)
     return SparseRuntime(cfg, spec, idle_steps=idle_steps, batched=batched)
@@ -196,6 +202,51 @@ def test_runtime_tracks_requests_by_their_first_block_and_goes_sparse_past_the_b
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["sparse_layer_steps"] == 4 and stats["blocks_selected"] == 16 and stats["blocks_total"] == 44
     assert stats["layers"][0] == {"sparse": 2, "dense": 1} and stats["plugin"]["selections"] > 0
+
+
+def _two_request_run(tmp_path, batched: bool, floor: int | None) -> list:
+    """Two requests prefill, decode together, then one alone, then together again; the
+    chosen selections of each decode step (None: dense)."""
+    torch.manual_seed(11)
+    opts = {} if floor is None else {"min_skipped_kv": floor}
+    cfg = from_mapping(
+        {"algorithm": "gsa", "min_seq_len": 0, "budget_tokens": 4 * BS, "sink_blocks": 1, "recent_blocks": 1}
+        | opts
+    )
+    spec = ModelSpec(num_layers=2, num_q_heads=H * G, num_kv_heads=H, head_dim=D, block_size=BS)
+    rt = SparseRuntime(cfg, spec, batched=batched)
+    table = torch.arange(40, dtype=torch.int32).view(2, 20)
+    kv = _kv()
+    p = 10 * BS + 5
+    out = []
+    _step(rt, table, [p, p], [p, p], kv)
+    out.append(_step(rt, table, [p + 1, p + 1], [1, 1], kv)[1])
+    out.append(_step(rt, table[:1], [p + 2], [1], kv)[1])
+    out.append(_step(rt, table, [p + 3, p + 2], [1, 1], kv)[1])
+    rt.close()
+    return [rt.plugin.cfg.min_skipped_kv, *out]
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_step_whose_long_requests_skip_too_little_runs_dense_and_keeps_their_summaries(
+    tmp_path, batched
+) -> None:
+    from kvfabric.ucm_layer.sparse.gsa.policy import VLLM_MIN_SKIPPED_KV, BlockSparseConfig, skipped_kv
+
+    default, *_ = _two_request_run(tmp_path, batched, None)
+    assert default == VLLM_MIN_SKIPPED_KV  # the engine's default, where the user sets none
+    sel = BlockSparseConfig.from_mapping({"budget_tokens": 4 * BS, "sink_blocks": 1, "recent_blocks": 1})
+    one = skipped_kv([10 * BS + 7], sel, BS, H * D)  # one request at its third decode step
+    floor, together, alone, again = _two_request_run(tmp_path, batched, one + 1)
+    assert floor == one + 1
+    assert together is not None and all(c is not None for c in together)  # two skip enough
+    assert alone == [None, None]  # one alone does not: every layer of the step is dense
+    assert again is not None and all(c is not None for c in again)
+    # the dense step kept the summaries current: the same selections as with no floor
+    _, *no_floor = _two_request_run(tmp_path, batched, 0)
+    assert all(c is not None for c in no_floor[1])  # without the floor, alone is sparse
+    for a, b in zip(again, no_floor[2]):
+        assert torch.equal(a.physical, b.physical) and torch.equal(a.lens, b.lens)
 
 
 NEEDLE = 9  # the logical block holding the keys the decode query looks for

@@ -175,7 +175,8 @@ class BlockSparseAttention(UcmSparseBase):
         for rid in batch.request_ids:
             self._state(rid)
         self._step += 1
-        modes = decide_modes(batch, self.model.num_layers, self.cfg, self.model.block_size)
+        m = self.model
+        modes = decide_modes(batch, m.num_layers, self.cfg, m.block_size, m.num_kv_heads * m.head_dim)
         return SparseMeta(batch=batch, modes=modes, step=self._step)
 
     @staticmethod

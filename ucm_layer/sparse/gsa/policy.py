@@ -4,18 +4,31 @@ Dense attention is exact and, for short sequences, no slower: a request runs spa
 layer only when (1) it is decoding, (2) its sequence is at least ``min_seq_len`` tokens and
 longer than the budget, (3) at least ``min_long_requests`` requests of the batch qualify
 (below that the batch is dominated by dense work anyway and the scoring overhead is not
-repaid), and (4) the layer is not listed in ``dense_layers``.
+repaid), (4) the qualifying requests together skip at least ``min_skipped_kv`` key
+elements per layer (tokens left out times KV heads times head dim, summed over them: the
+attention work sparse saves, against a selection cost that is mostly fixed per layer and
+step), and (5) the layer is not listed in ``dense_layers``.
+
+The step's decision is all or nothing over its qualifying requests, so a request's answer
+can depend on what it is batched with; dense is exact, so that only ever moves it toward
+the dense answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvfabric.settings import coerce_fields, setting
 from kvfabric.ucm_layer.sparse.base import AttnMode, StepBatch
 from kvfabric.ucm_layer.sparse.selection import SelectionConfig
+
+#: ``min_skipped_kv`` where the vLLM backend runs the algorithm and the user sets none: about
+#: where one step's selection cost meets the attention it saves there (measured on the CPU
+#: build, docs/sparse.md "The cost-aware switch"). The algorithm's own default is 0: the
+#: harness measures selection itself, at any size.
+VLLM_MIN_SKIPPED_KV = 1_500_000
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,13 @@ class BlockSparseConfig:
     reuse_steps: int = setting(1, lo=1, doc="a selection is used for this many decode steps")
     min_seq_len: int = setting(4096, lo=0, doc="shorter sequences decode dense")
     min_long_requests: int = setting(1, lo=1, doc="sparse only when this many requests of the batch qualify")
+    min_skipped_kv: int = setting(
+        0,
+        lo=0,
+        doc="sparse only when the qualifying requests skip this many key elements per layer "
+        "(tokens x KV heads x head dim, summed; 0: no such floor; the vLLM backend's default "
+        "is VLLM_MIN_SKIPPED_KV)",
+    )
     dense_layers: tuple[int, ...] = setting((), doc="layers that always run dense")
     scorer_options: Mapping[str, Any] = setting(default_factory=dict, doc="the block scorer's options")
     select_ahead: bool = setting(
@@ -74,17 +94,33 @@ class BlockSparseConfig:
         return cls(selection=SelectionConfig(**sel), scorer_options=scorer, **mine)
 
 
+def skipped_kv(seq_lens: Iterable[int], cfg: BlockSparseConfig, block_size: int, kv_width: int) -> int:
+    """Key elements per layer that sparse attention leaves out for these sequences
+    (``kv_width``: KV heads times head dim)."""
+    sel = cfg.selection
+    return sum(max(s - sel.num_selected(s, block_size) * block_size, 0) for s in seq_lens) * kv_width
+
+
+def worth_sparse(long_seqs: Sequence[int], cfg: BlockSparseConfig, block_size: int, kv_width: int) -> bool:
+    """Whether a step whose qualifying requests have these sequence lengths runs them
+    sparse: conditions (3) and (4) of the module docstring."""
+    if len(long_seqs) < cfg.min_long_requests:
+        return False
+    return cfg.min_skipped_kv == 0 or skipped_kv(long_seqs, cfg, block_size, kv_width) >= cfg.min_skipped_kv
+
+
 def decide_modes(
-    batch: StepBatch, num_layers: int, cfg: BlockSparseConfig, block_size: int
+    batch: StepBatch, num_layers: int, cfg: BlockSparseConfig, block_size: int, kv_width: int
 ) -> tuple[tuple[AttnMode, ...], ...]:
-    """The mode of every (request, layer) for one step (see the module docstring)."""
+    """The mode of every (request, layer) for one step (see the module docstring);
+    ``kv_width``: the model's KV heads times head dim."""
     long = [
         batch.is_decode(i)
         and batch.seq_lens[i] >= cfg.min_seq_len
         and cfg.selection.num_selected(batch.seq_lens[i], block_size) * block_size < batch.seq_lens[i]
         for i in range(len(batch.request_ids))
     ]
-    enough = sum(long) >= cfg.min_long_requests
+    enough = worth_sparse([s for s, q in zip(batch.seq_lens, long) if q], cfg, block_size, kv_width)
     dense_layers = set(cfg.dense_layers)
     out = []
     for is_long in long:
@@ -98,4 +134,4 @@ def decide_modes(
     return tuple(out)
 
 
-__all__ = ["BlockSparseConfig", "decide_modes"]
+__all__ = ["VLLM_MIN_SKIPPED_KV", "BlockSparseConfig", "decide_modes", "skipped_kv", "worth_sparse"]

@@ -8,7 +8,9 @@ Three places, all optional (the backend is a pass-through when neither names an 
     counters after the steps (JSON, by a thread: current within about 0.25 s of the last
     step, at once when the worker exits; ``{rank}`` in the path is replaced by the worker's rank);
     every other key goes to the algorithm unchanged (``budget_tokens``, ``min_seq_len``,
-    ``sink_blocks``, ``recent_blocks``, ``rank``, ... as ``BlockSparseConfig`` names them).
+    ``sink_blocks``, ``recent_blocks``, ``rank``, ... as ``BlockSparseConfig`` names them),
+    except that a block-sparse algorithm given no ``min_skipped_kv`` gets the engine's
+    cost-aware floor (``runtime.engine_options``).
 ``KVFABRIC_SPARSE`` (environment, read in every vLLM process)
     the same mapping as JSON, instead of ``additional_config`` (both set is an error).
 ``kv_transfer_config.kv_connector_extra_config["sparse"]`` (with ``KVFabricConnector``)

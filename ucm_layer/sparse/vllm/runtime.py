@@ -75,6 +75,7 @@ from kvfabric.ucm_layer.sparse.base import (
     UcmSparseBase,
     create,
 )
+from kvfabric.ucm_layer.sparse.gsa.policy import VLLM_MIN_SKIPPED_KV, worth_sparse
 from kvfabric.ucm_layer.sparse.paged import PagedSelector, SparseRows, paged_support
 from kvfabric.ucm_layer.sparse.vllm import timing
 from kvfabric.ucm_layer.sparse.vllm.config import SparseBackendConfig
@@ -190,7 +191,7 @@ class SparseRuntime:
         if not config.enabled:
             raise ValueError("SparseRuntime needs a configuration with an algorithm")
         self.config, self.spec = config, spec
-        self.plugin: UcmSparseBase = create(str(config.algorithm), spec, dict(config.options))
+        self.plugin: UcmSparseBase = create(str(config.algorithm), spec, engine_options(config))
         self.paged: PagedSelector | None = (
             PagedSelector(self.plugin)  # type: ignore[arg-type]
             if batched and paged_support(self.plugin) is None
@@ -405,7 +406,7 @@ class SparseRuntime:
             srows, slots, blocks, counts = zip(*sealed)
             plan.seal_slots, plan.seal_counts = dev_t(slots), dev_t(counts)
             plan.seal_phys = block_table[dev_t(srows), dev_t(blocks)].to(torch.int64)
-        if len(long) >= cfg.min_long_requests:
+        if worth_sparse([q for _, q, _ in long], cfg, bs, self.spec.num_kv_heads * self.spec.head_dim):
             by_k: dict[int, list[tuple[int, int, int]]] = {}
             for r in long:
                 by_k.setdefault(sel.num_selected(r[1], bs), []).append(r)
@@ -679,6 +680,20 @@ class SparseRuntime:
         self.plugin.close()
 
 
+def engine_options(config: SparseBackendConfig) -> dict[str, Any]:
+    """The algorithm's options in an engine: the user's, with the engine's default for the
+    cost-aware switch (``min_skipped_kv``) where the algorithm has that switch and the user
+    gave none."""
+    from kvfabric.ucm_layer.sparse.base import ALGORITHMS
+    from kvfabric.ucm_layer.sparse.blocksparse import BlockSparseAttention
+
+    opts = dict(config.options)
+    cls = ALGORITHMS.load(str(config.algorithm))
+    if "min_skipped_kv" not in opts and isinstance(cls, type) and issubclass(cls, BlockSparseAttention):
+        opts["min_skipped_kv"] = VLLM_MIN_SKIPPED_KV
+    return opts
+
+
 _RUNTIMES: dict[tuple[ModelSpec, str], SparseRuntime] = {}
 
 
@@ -700,4 +715,4 @@ def layer_index(layer_name: str) -> int:
     return nums[0]
 
 
-__all__ = ["LayerSelection", "SparseRuntime", "StepPlan", "layer_index", "runtime_for"]
+__all__ = ["LayerSelection", "SparseRuntime", "StepPlan", "engine_options", "layer_index", "runtime_for"]
