@@ -102,11 +102,19 @@ def replay(batch: int, steps: int, options: dict[str, Any], context: int) -> lis
             for li in range(L):
                 kc, vc = split_cache(caches[li])
                 a = time.perf_counter()
-                if sparse:
+                if sparse and plan is not None:  # as the impl's forward: stock where nothing selects
                     chosen = rt.layer_begin(plan, li, (q, k, k), views[li])
                     b = time.perf_counter()
-                    impls[li]._forward_split(layer, q, kc, vc, md, out, chosen)
+                    if chosen is not None:
+                        impls[li]._forward_split(layer, q, kc, vc, md, out, chosen)
+                    else:
+                        sched = scheduler_metadata(q, H, sl, qsl, "vec", True)
+                        run_kernel(q, kc, vc, out.view(batch, HQ, D), qsl, sl, table, impls[li].scale, sched)
                     rt.layer_end(plan, li, out.view(batch, HQ, D), views[li])
+                elif sparse:  # plan None: the stock forward (its own scheduler metadata)
+                    b = time.perf_counter()
+                    sched = scheduler_metadata(q, H, sl, qsl, "vec", True)
+                    run_kernel(q, kc, vc, out.view(batch, HQ, D), qsl, sl, table, impls[li].scale, sched)
                 else:
                     b = time.perf_counter()
                     run_kernel(q, kc, vc, out.view(batch, HQ, D), qsl, sl, table, impls[li].scale, sched)

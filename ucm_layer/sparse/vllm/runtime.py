@@ -138,6 +138,7 @@ class StepPlan:
     attn: AttentionMetadata | None
     meta: SparseMeta | None
     done: bool = False
+    stock: bool = False  # every layer of the step runs the stock forward (plan() gave None)
     tokens: tuple[Any, ...] = ()  # the managed rows' query, key, value of the current layer
     # batched mode
     block_table: Any = None
@@ -157,6 +158,18 @@ class StepPlan:
     blocks_total: int = 0  # ... and of the blocks dense reads
     cache: dict[Any, Any] = field(default_factory=dict)
     qsl: list[int] = field(default_factory=list)  # the step's query_start_loc
+
+    @property
+    def idle(self) -> bool:
+        """Batched mode: no summary to update and no row to select in any layer."""
+        return not (
+            self.chunks
+            or self.fits
+            or self.extends
+            or self.groups
+            or self.seal_slots is not None
+            or self.dec_phys is not None
+        )
 
 
 @dataclass
@@ -268,7 +281,7 @@ class SparseRuntime:
         largest entry + 1)."""
         prev = self._plan
         if prev is not None and prev.metadata is metadata:
-            return prev if prev.rows else None
+            return None if prev.stock else prev
         if prev is not None and not prev.done:
             self._finish_step(prev)
         self.stats.steps += 1
@@ -290,8 +303,11 @@ class SparseRuntime:
         plan.qsl = qsl
         self._evict(step)
         self._plan = plan
-        if not plan.rows:
-            plan.done = True
+        if not plan.rows or (self.paged is not None and plan.idle):
+            # nothing to summarise or select: the stock forward, no per-layer work
+            plan.done = plan.stock = True
+            if self.paged is not None:
+                self.paged.counters.dense_layer_steps += len(plan.rows) * self.spec.num_layers
             self.stats_dense_only(decode_rows)
             return None
         return plan
@@ -391,8 +407,14 @@ class SparseRuntime:
                     long.append((i, seq, st.slot))
             st.tokens, st.last_step = seq, step
         dev_t = functools.partial(torch.tensor, dtype=torch.int64, device=dev)
+        sparse_step = worth_sparse(
+            [q for _, q, _ in long], cfg, bs, self.spec.num_kv_heads * self.spec.head_dim
+        )
         if decs:
-            appended = self._plan_decode_keys(decs, {r for r, _, _ in long}, seals, sealed)
+            # on a step the switch keeps dense no row selects: with seals none adds its key
+            # (a block that fills is sealed, the next selection refreshes the partial block)
+            may_select = {r for r, _, _ in long} if sparse_step else set()
+            appended = self._plan_decode_keys(decs, may_select, seals, sealed)
             if appended:
                 rows_t = dev_t([i for i, _, _ in appended])
                 pos = dev_t([p for _, _, p in appended])
@@ -406,7 +428,7 @@ class SparseRuntime:
             srows, slots, blocks, counts = zip(*sealed)
             plan.seal_slots, plan.seal_counts = dev_t(slots), dev_t(counts)
             plan.seal_phys = block_table[dev_t(srows), dev_t(blocks)].to(torch.int64)
-        if worth_sparse([q for _, q, _ in long], cfg, bs, self.spec.num_kv_heads * self.spec.head_dim):
+        if sparse_step:
             by_k: dict[int, list[tuple[int, int, int]]] = {}
             for r in long:
                 by_k.setdefault(sel.num_selected(r[1], bs), []).append(r)
