@@ -1,8 +1,9 @@
 """The sparse backend's decode steps without an engine: where a step's time goes.
 
 ``python -m kvfabric.bench.sparse.vllm_replay BATCH [STEPS] [OPTIONS_JSON]``: the tiny
-Llama's attention geometry (4 layers, 4 query and 2 KV heads of 32 dims, block 32) at
-``KVFABRIC_REPLAY_CONTEXT`` tokens (default 32,768) per request, ``BATCH`` requests whose
+Llama's attention geometry (4 layers, 4 query and 2 KV heads of 32 dims, block 32; another
+with ``KVFABRIC_REPLAY_GEOMETRY=layers,q_heads,kv_heads,head_dim``, SmolLM2's is
+``30,9,3,64``) at ``KVFABRIC_REPLAY_CONTEXT`` tokens (default 32,768) per request, ``BATCH`` requests whose
 blocks are scattered over vLLM's CPU cache layout (random keys and values). Each request's
 prompt is fitted through :class:`SparseRuntime` (GSA, budget 2,048, ``OPTIONS_JSON`` more
 keys), then rounds of ``STEPS`` decode steps alternate between the stock kernel over the full
@@ -142,6 +143,15 @@ def main(argv: list[str]) -> None:
     steps = int(argv[1]) if len(argv) > 1 else 12
     options = json.loads(argv[2]) if len(argv) > 2 else {}
     context = int(os.environ.get("KVFABRIC_REPLAY_CONTEXT", "32768"))
+    geometry = os.environ.get("KVFABRIC_REPLAY_GEOMETRY")
+    if geometry:
+        global L, HQ, H, D
+        try:
+            L, HQ, H, D = (int(x) for x in geometry.split(","))
+        except ValueError:
+            raise SystemExit(
+                f"KVFABRIC_REPLAY_GEOMETRY must be layers,q_heads,kv_heads,head_dim, got {geometry!r}"
+            ) from None
     for r in replay(batch, steps, options, context):
         print(
             json.dumps(
