@@ -94,31 +94,25 @@ def replay(batch: int, steps: int, options: dict[str, Any], context: int) -> lis
             q, k = torch.randn(batch, HQ, D), torch.randn(batch, H, D)
             out = torch.empty(batch, HQ * D)
             t0 = time.perf_counter()
-            if sparse:
-                plan = rt.plan(md, md.block_table, md.seq_lens, md.query_start_loc, nblocks)
-            else:
-                sched = scheduler_metadata(q, H, sl, qsl, "vec", True)
+            plan = rt.plan(md, md.block_table, md.seq_lens, md.query_start_loc, nblocks) if sparse else None
+            sched = None  # the stock kernel's scheduler metadata: once per step, as vLLM's builder
             t1 = time.perf_counter()
             up = at = 0.0
             for li in range(L):
                 kc, vc = split_cache(caches[li])
                 a = time.perf_counter()
-                if sparse and plan is not None:  # as the impl's forward: stock where nothing selects
-                    chosen = rt.layer_begin(plan, li, (q, k, k), views[li])
-                    b = time.perf_counter()
-                    if chosen is not None:
-                        impls[li]._forward_split(layer, q, kc, vc, md, out, chosen)
-                    else:
-                        sched = scheduler_metadata(q, H, sl, qsl, "vec", True)
-                        run_kernel(q, kc, vc, out.view(batch, HQ, D), qsl, sl, table, impls[li].scale, sched)
-                    rt.layer_end(plan, li, out.view(batch, HQ, D), views[li])
-                elif sparse:  # plan None: the stock forward (its own scheduler metadata)
-                    b = time.perf_counter()
-                    sched = scheduler_metadata(q, H, sl, qsl, "vec", True)
-                    run_kernel(q, kc, vc, out.view(batch, HQ, D), qsl, sl, table, impls[li].scale, sched)
+                # as the impl's forward: the runtime's hooks where there is a plan, the sparse
+                # call where this layer selected, the stock kernel everywhere else
+                chosen = rt.layer_begin(plan, li, (q, k, k), views[li]) if plan is not None else None
+                b = time.perf_counter()
+                if chosen is not None:
+                    impls[li]._forward_split(layer, q, kc, vc, md, out, chosen)
                 else:
-                    b = time.perf_counter()
+                    if sched is None:
+                        sched = scheduler_metadata(q, H, sl, qsl, "vec", True)
                     run_kernel(q, kc, vc, out.view(batch, HQ, D), qsl, sl, table, impls[li].scale, sched)
+                if plan is not None:
+                    rt.layer_end(plan, li, out.view(batch, HQ, D), views[li])
                 c = time.perf_counter()
                 up, at = up + b - a, at + c - b
             step_s.append(time.perf_counter() - t0)

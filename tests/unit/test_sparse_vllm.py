@@ -228,7 +228,7 @@ def _two_request_run(tmp_path, batched: bool, floor: int | None) -> list:
 
 
 @pytest.mark.parametrize("batched", [True, False])
-def test_a_step_whose_long_requests_skip_too_little_runs_dense_and_keeps_their_summaries(
+def test_a_step_whose_long_requests_skip_too_little_runs_dense_and_the_next_selects_as_before(
     tmp_path, batched
 ) -> None:
     from kvfabric.ucm_layer.sparse.gsa.policy import VLLM_MIN_SKIPPED_KV, BlockSparseConfig, skipped_kv
@@ -243,7 +243,8 @@ def test_a_step_whose_long_requests_skip_too_little_runs_dense_and_keeps_their_s
     # one alone does not: every layer runs dense (batched: the stock forward, no plan)
     assert alone == ([] if batched else [None, None])
     assert again is not None and all(c is not None for c in again)
-    # the dense step kept the summaries current: the same selections as with no floor
+    # after the dense step, the same selections as with no floor (the summaries' catch-up
+    # from the cache is what the decode-needle test checks)
     _, *no_floor = _two_request_run(tmp_path, batched, 0)
     assert all(c is not None for c in no_floor[1])  # without the floor, alone is sparse
     for a, b in zip(again, no_floor[2]):
@@ -306,15 +307,23 @@ def test_a_prompt_prefilled_in_chunks_selects_what_one_prefill_would(tmp_path, b
         assert torch.equal(_chunked_selection(tmp_path, batched, chunks), whole), chunks
 
 
-def _decode_selections(tmp_path, batched: bool, switch: int) -> list[list[list[int]] | None]:
+def _decode_selections(
+    tmp_path, batched: bool, switch: int, by_floor: bool = False
+) -> list[list[list[int]] | None]:
     """Per decode step, the logical blocks (layer 0, per KV head, sorted) one request
     selects, or None while it is below the switch. The request decodes ``2 * BS`` tokens
-    past a ``10 * BS + 5`` prompt and crosses ``min_seq_len`` (``switch``) on the way;
+    past a ``10 * BS + 5`` prompt and crosses ``min_seq_len`` (``switch``) on the way, or
+    with ``by_floor`` the cost-aware floor (``min_skipped_kv``) at the same length;
     the keys of block 11, written by decode steps only, lie along the later queries."""
+    from kvfabric.ucm_layer.sparse.gsa.policy import BlockSparseConfig, skipped_kv
+
     torch.manual_seed(7)
-    rt = _runtime(
-        tmp_path, batched=batched, budget_tokens=4 * BS, sink_blocks=1, recent_blocks=1, min_seq_len=switch
-    )
+    sel = {"budget_tokens": 4 * BS, "sink_blocks": 1, "recent_blocks": 1}
+    switch_at = {"min_seq_len": switch}
+    if by_floor:
+        floor = skipped_kv([switch], BlockSparseConfig.from_mapping(sel), BS, H * D)
+        switch_at = {"min_seq_len": 0, "min_skipped_kv": floor}
+    rt = _runtime(tmp_path, batched=batched, **sel, **switch_at)
     table = torch.randperm(40, dtype=torch.int32)[:20].view(1, 20)
     prompt, steps = 10 * BS + 5, 3 * BS
     total = prompt + steps
@@ -355,6 +364,10 @@ def test_decode_keys_reach_the_summaries_as_per_request_updates_make_them(tmp_pa
     # selections
     batched = _decode_selections(tmp_path, True, switch)
     assert batched == _decode_selections(tmp_path, False, switch)
+    # below the cost-aware floor a request lags the same way (no key added, sealed on
+    # fill, its partial block refreshed before its first selection): the same selections
+    assert _decode_selections(tmp_path, True, switch, by_floor=True) == batched
+    assert _decode_selections(tmp_path, False, switch, by_floor=True) == batched
     first = switch - (10 * BS + 5) - 1  # the first step at the switch's length
     assert all(sel is None for sel in batched[:first]) and None not in batched[first:]
     # once block 11 is full and not the recent block, every selection finds its keys
