@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sparse_runtimes import close_runtimes  # noqa: F401  (autouse fixture)
 
 from kvfabric.ucm_layer.sparse.base import LayerKV, ModelSpec, create
 from kvfabric.ucm_layer.sparse.blocksparse import LayerState, recent_queries
@@ -232,3 +233,20 @@ def test_blocks_summarised_when_they_fill_select_what_per_key_updates_select(nam
             torch.testing.assert_close(
                 sealing.layers[0].store[:, :, done], per_key.layers[0].store[:, :, done]
             )
+
+
+@pytest.mark.parametrize("select", ["mixed", "estimate", "bound"])
+def test_the_selection_weights_are_the_ranking_then_the_bound_of_the_mean_query(select: str) -> None:
+    # GSA's batched weights project the queries and their mean once; they must be the
+    # per-request ranking weights followed (mixed only) by the bound's weights of the mean
+    torch.manual_seed(5)
+    sc = make_scorer("gsa", H, D, BS, select=select)
+    sc.fit(torch.randn(H, 20 * BS, D), torch.randn(H, 16, D))
+    params = torch.stack([sc.batch_params()] * 4)  # (S, H, D, r)
+    q = torch.randn(4, H, G, D)
+    got = sc.select_weights_with(q, params)
+    want = sc.ranking_weights_with(q, params)
+    if select == "mixed":
+        want = torch.cat([want, sc.bound_weights_with(q.mean(dim=-2, keepdim=True), params)], dim=-2)
+    assert got.shape == want.shape == (4, H, G + (select == "mixed"), sc.row_width)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

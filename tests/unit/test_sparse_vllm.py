@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from sparse_runtimes import close_runtimes  # noqa: F401  (autouse fixture)
 
 from kvfabric.ucm_layer.sparse.base import LayerKV, ModelSpec
 from kvfabric.ucm_layer.sparse.vllm.config import SparseBackendConfig, from_mapping

@@ -118,6 +118,7 @@ class SparseRows:
         pos = torch.arange(width, device=dev).view(1, width)
         self.valid = pos < self.nb.view(-1, 1)
         self.mid = (pos >= self.sink) & (pos < (self.nb - self.recent).view(-1, 1))
+        self.outside = (~self.mid).view(self.size, 1, width)  # what the ranking masks, every layer
         self.tail = torch.tensor(
             [s - (nb - 1) * bs for s, nb in zip(seqs, nbs)], dtype=torch.int64, device=dev
         )
@@ -130,6 +131,12 @@ class SparseRows:
         self.block_size = bs
         # the last logical block (the only partial one) is the last entry of every head
         self.tail_last = self.recent >= 1 and (sel.allocation == "head" or h == 1)
+        # then every entry is used and only the last is partial: the kernel's lengths per entry
+        self.entry_lens: torch.Tensor | None = None
+        if self.tail_last:
+            lens = torch.full((self.size, h, self.k), bs, dtype=torch.int64, device=dev)
+            lens[:, :, -1] = self.tail.view(-1, 1)
+            self.entry_lens = lens
         self._tokens_valid: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
 
@@ -309,10 +316,8 @@ class RowMaxPaged(_ColumnStore):
         self, rows: SparseRows, q: torch.Tensor, kv: LayerKV
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         params = self._params(rows.slots)
-        w = self.rm.ranking_weights_with(q, params)  # (S, H, G, width)
+        w = self.rm.select_weights_with(q, params)  # (S, H, G(+1), width)
         share = self.rm.priority_share
-        if share:
-            w = torch.cat([w, self.rm.bound_weights_with(q.mean(dim=2, keepdim=True), params)], dim=2)
         s = self._products(w * self.scale, rows)  # (S, H, G(+1), W)
         if not share:
             return _masked_softmax_sum(s, rows), None
@@ -553,11 +558,12 @@ class PagedSelector:
         self.counters.selections += s
         if rows.free > 0:
             ranking, priority = self.layer(layer, kv).scores(rows, q, kv)
-            mid = rows.mid.view(s, 1, -1)
-            ranking = ranking.masked_fill(~mid, _NEG)
+            ranking = ranking.masked_fill(rows.outside, _NEG)
             first = min(rows.free, round(self.priority_share * rows.free)) if priority is not None else 0
             if first > 0 and priority is not None:
-                top = torch.topk(priority.masked_fill(~mid, _NEG), first, dim=-1, sorted=False).indices
+                top = torch.topk(
+                    priority.masked_fill(rows.outside, _NEG), first, dim=-1, sorted=False
+                ).indices
                 ranking = ranking.scatter(-1, top, float("inf"))
             if sel.allocation == "head" or self.h == 1:
                 free = torch.topk(ranking, rows.free, dim=-1, sorted=False).indices
@@ -571,6 +577,10 @@ class PagedSelector:
             logical = torch.cat([rows.sink_idx, free, rows.recent_idx], dim=-1)
         else:
             logical = torch.cat([rows.sink_idx, rows.recent_idx], dim=-1)
+        if rows.entry_lens is not None and logical.shape[-1] == rows.k:
+            # head allocation with the partial block last: every entry used, lengths per step
+            physical = rows.tables.gather(1, logical.reshape(s, -1)).view_as(logical)
+            return physical, rows.entry_lens
         used = logical >= 0
         logical = logical.clamp(min=0)
         physical = rows.tables.gather(1, logical.reshape(s, -1)).view_as(logical)

@@ -260,6 +260,15 @@ class RowMaxScorer(BlockScorer):
         """``ranking_weights`` of ``q (..., H, G, D)`` for requests with ``params``."""
         return self.ranking_weights(q)
 
+    def select_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        """``(..., H, G, row_width)`` ranking weights of ``q (..., H, G, D)``, followed, with a
+        ``priority_share``, by one row of bound weights of the group's mean query (``G + 1``
+        rows): what one product with the summaries turns into ranking and priority."""
+        w = self.ranking_weights_with(q, params)
+        if not self.priority_share:
+            return w
+        return torch.cat([w, self.bound_weights_with(q.mean(dim=-2, keepdim=True), params)], dim=-2)
+
     def _columns(self) -> torch.Tensor:
         """``(H, row_width, nb)``: the summaries, one column per block (a view)."""
         if self._cols is None:

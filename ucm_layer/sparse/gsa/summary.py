@@ -236,5 +236,19 @@ class SvdMaxNormScorer(RowMaxScorer):
         res = self._residual_norms(q, p, params) * self.residual
         return torch.cat([(a + p) * 0.5, (a - p) * 0.5, res], dim=-1)
 
+    def select_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        if self.select != "mixed" or self.groups != 1:
+            return super().select_weights_with(q, params)
+        # one projection of the queries and their mean (the bound's query) for both parts
+        g = q.shape[-2]
+        x = torch.cat([q, q.mean(dim=-2, keepdim=True)], dim=-2)
+        p = torch.matmul(x, self._basis() if params is None else params)
+        res = self._residual_norms(x, p, params)
+        pr, pb = p[..., :g, :], p[..., g:, :]
+        a = pr.abs() * self.spread
+        rank = torch.cat([(a + pr) * 0.5, (a - pr) * 0.5, res[..., :g, :] * self.residual], dim=-1)
+        bound = torch.cat([pb.clamp(min=0), (-pb).clamp(min=0), res[..., g:, :]], dim=-1)
+        return torch.cat([rank, bound], dim=-2)
+
 
 __all__ = ["SummaryOptions", "SvdMaxNormScorer", "default_rank", "fit_basis"]

@@ -509,9 +509,12 @@ class SparseRuntime:
         dev = block_table.device
         rows = torch.tensor([i for _, i, _ in cont], dtype=torch.int64, device=dev)
         tb = block_table[rows, :width].to(torch.int64)
-        mask = torch.arange(width, device=dev).view(1, -1) < torch.tensor(seen, device=dev).view(-1, 1)
         slots = torch.tensor([st.slot for _, _, st in cont], dtype=torch.int64, device=dev)
-        ok = ((owner[tb] == slots.view(-1, 1)) | ~mask).all(dim=1).tolist()
+        same = owner[tb] == slots.view(-1, 1)
+        if min(seen) < width:  # rows that saw fewer blocks: their later entries are not theirs yet
+            mask = torch.arange(width, device=dev).view(1, -1) < torch.tensor(seen, device=dev).view(-1, 1)
+            same |= ~mask
+        ok = same.all(dim=1).tolist()
         if all(ok):
             return picked
         bad = {j for (j, _, st), good in zip(cont, ok) if not good}
