@@ -5,8 +5,13 @@ What runs can be narrowed with ``KVFABRIC_BENCH_SPARSE_VLLM`` (JSON, :class:`Run
 ``{"cases": ["tiny"]}`` (the tiny Llama only; ``"smollm2"`` the passkey groups only),
 ``tiny_context`` / ``tiny_prompts`` / ``tiny_budget`` (2,048), ``smollm2_contexts`` /
 ``smollm2_prompts`` / ``smollm2_budget`` (1,024),
-``methods`` (sparse registry names) and ``options`` (more keys for every sparse engine's
-``KVFABRIC_SPARSE``; rows then carry them and are not ``"default"``).
+``methods`` (sparse registry names), ``options`` (more keys for every sparse engine's
+``KVFABRIC_SPARSE``; rows then carry them and are not ``"default"``) and ``rounds`` (1:
+dense, then each method once; more: each method that many times, every run between two
+dense runs, :func:`run_order`; a speed row's ``dense_step_ms`` is then the geometric mean
+of the dense runs on either side of each run, ``speedup_vs_dense`` the median of those
+per-run ratios, listed in ``speedup_vs_dense_runs``: on a shared machine whose load
+drifts between engines, the flanked ratio is the one to quote).
 
 Engines are built one at a time with :func:`kvfabric.harness.engine.make_engine` (in
 process, eager, float32, 32-token blocks, prefix cache off); the sparse engine gets its
@@ -58,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -100,12 +106,20 @@ class RunConfig:
     smollm2_budget: int = 1024
     methods: tuple[str, ...] | None = None
     options: tuple[tuple[str, Any], ...] = ()
+    rounds: int = 1  # > 1: that many runs of each method, each between two dense runs
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.cases) - {"tiny", "smollm2"})
         if bad:
             raise ValueError(f"KVFABRIC_BENCH_SPARSE_VLLM cases {bad}: expected tiny, smollm2")
-        for key in ("tiny_context", "tiny_prompts", "smollm2_prompts", "tiny_budget", "smollm2_budget"):
+        for key in (
+            "tiny_context",
+            "tiny_prompts",
+            "smollm2_prompts",
+            "tiny_budget",
+            "smollm2_budget",
+            "rounds",
+        ):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"KVFABRIC_BENCH_SPARSE_VLLM {key}={v!r}: expected an integer >= 1")
@@ -377,25 +391,83 @@ def _ms(times: Sequence[float]) -> float:
     return statistics.median(times) * 1e3
 
 
+def run_order(methods: Sequence[str], rounds: int) -> list[str | None]:
+    """The engines of one model in the order they run (None: dense): dense, then every
+    method; with ``rounds`` > 1, each method's run ``rounds`` times, every run followed by
+    a dense one, so that each run of a method sits between two dense runs."""
+    if rounds <= 1:
+        return [None, *methods]
+    order: list[str | None] = [None]
+    for _ in range(rounds):
+        for m in methods:
+            order += [m, None]
+    return order
+
+
+def flanked(
+    order: Sequence[str | None], step_ms: Sequence[float | None]
+) -> dict[str, list[tuple[float, float]]]:
+    """Per method, ``(its step, the dense step next to it)`` for each of its timed runs in
+    ``order`` (``step_ms`` per run, None: not timed). The dense step is the geometric mean
+    of the nearest dense run before it and the dense run right after it, if one follows
+    at once (with one round, only the first dense run): each ratio is then shielded from
+    the machine's drift between runs."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for i, m in enumerate(order):
+        st = step_ms[i]
+        if m is None or st is None:
+            continue
+        near: list[float] = []
+        before = next(
+            (x for j in range(i - 1, -1, -1) if order[j] is None and (x := step_ms[j]) is not None), None
+        )
+        if before is not None:
+            near.append(before)
+        if i + 1 < len(order) and order[i + 1] is None and step_ms[i + 1] is not None:
+            near.append(step_ms[i + 1])  # type: ignore[arg-type]
+        if near:
+            out.setdefault(m, []).append((st, math.prod(near) ** (1 / len(near))))
+    return out
+
+
 def group_rows(
-    groups: Sequence[Group], methods: Sequence[str], new: int, tail: int, work: Path, tok: Any = None
+    groups: Sequence[Group],
+    methods: Sequence[str],
+    new: int,
+    tail: int,
+    work: Path,
+    tok: Any = None,
+    rounds: int = 1,
 ) -> Iterator[dict[str, Any]]:
-    """Dense, then every method, on ``groups`` (one model); per method and group a speed
-    row at the group's batch and at batch 1, and an accuracy row when it has answers."""
-    dense = _serve_all(groups, None, new, tail, work)
+    """Dense and every method on ``groups`` (one model, in :func:`run_order`); per method
+    and group a speed row at the group's batch and at batch 1, and an accuracy row when it
+    has answers (a method's first run against the first dense run: greedy decoding gives
+    every run the same tokens)."""
+    order = run_order(methods, rounds)
+    runs = [_serve_all(groups, m, new, tail, work) for m in order]
+    dense = runs[0]
     geo = KVGeometry.of(_model_path(groups[0].model, max(g.context for g in groups)))
     for method in methods:
-        served = _serve_all(groups, method, new, tail, work)
-        for g, d, m in zip(groups, dense, served):
+        mine = [j for j, m in enumerate(order) if m == method]
+        served = runs[mine[0]]
+        for gi, (g, d, m) in enumerate(zip(groups, dense, served)):
             ctx = round(statistics.mean(len(p) for p in g.prompts))
-            for batch, ms, dms, fl in (
-                (len(g.prompts), m.batch_s, d.batch_s, d.floor_s),
-                (1, m.solo_s, d.solo_s, d.floor_solo_s),
+            for batch, pick, fl in (
+                (len(g.prompts), lambda sv: sv.batch_s, d.floor_s),
+                (1, lambda sv: sv.solo_s, d.floor_solo_s),
             ):
+                ms, dms = pick(m), pick(d)
                 if not ms or not dms:
                     _say(f"  no step of batch {batch} was timed: no speed row")
                     continue
-                step, dstep = _ms(ms), _ms(dms)
+                medians = [_ms(pick(r[gi])) if pick(r[gi]) else None for r in runs]
+                pairs = flanked(order, medians).get(method, [])
+                if not pairs:
+                    continue
+                ratios = [dn / st for st, dn in pairs]
+                speedup = statistics.median(ratios)
+                step = statistics.median(st for st, _ in pairs)
+                dstep = statistics.median(dn for _, dn in pairs)
                 floor = round(_ms(fl), 3) if fl else None
                 yield _row(
                     "speed",
@@ -406,7 +478,14 @@ def group_rows(
                     method,
                     step_ms=round(step, 3),
                     dense_step_ms=round(dstep, 3),
-                    speedup_vs_dense=round(dstep / step, 3),
+                    speedup_vs_dense=round(speedup, 3),
+                    rounds=len(pairs),
+                    speedup_vs_dense_runs=[round(x, 3) for x in ratios] if len(pairs) > 1 else None,
+                    dense_step_ms_runs=(
+                        [round(x, 3) for x, o in zip(medians, order) if o is None and x is not None]
+                        if len(pairs) > 1
+                        else None
+                    ),
                     step_ms_mean=round(statistics.mean(ms) * 1e3, 3),
                     dense_step_ms_mean=round(statistics.mean(dms) * 1e3, 3),
                     dense_short_step_ms=floor,
@@ -482,10 +561,15 @@ def run(ctx: BenchContext) -> Iterator[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="kvf-sparse-vllm-") as work:
         if "tiny" in rc.cases:
             yield from group_rows(
-                [Group("tiny-llama", n, rc.tiny_budget, tiny, None)], methods, 12, 12, Path(work)
+                [Group("tiny-llama", n, rc.tiny_budget, tiny, None)],
+                methods,
+                12,
+                12,
+                Path(work),
+                rounds=rc.rounds,
             )
         if groups:
-            yield from group_rows(groups, methods, NEW_TOKENS, 12, Path(work), tok)
+            yield from group_rows(groups, methods, NEW_TOKENS, 12, Path(work), tok, rounds=rc.rounds)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,38 @@ def test_run_config_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("KVFABRIC_BENCH_SPARSE_VLLM", '{"cases": ["big"]}')
     with pytest.raises(ValueError, match="cases"):
         RunConfig.from_env()
+
+
+def test_flanked_runs_set_each_method_run_against_the_dense_runs_beside_it() -> None:
+    from kvfabric.bench.sparse_vllm import flanked, run_order
+
+    assert run_order(["gsa", "quest"], 1) == [None, "gsa", "quest"]
+    order = run_order(["gsa"], 3)
+    assert order == [None, "gsa", None, "gsa", None, "gsa", None]
+    # the machine slows down by half after the first dense run and recovers before the
+    # last: each run is set against the geometric mean of the dense runs on either side
+    steps = [30.0, 15.0, 45.0, 15.0, 45.0, 10.0, 30.0]
+    pairs = flanked(order, steps)["gsa"]
+    assert pairs == [(15.0, (30 * 45) ** 0.5), (15.0, 45.0), (10.0, (45 * 30) ** 0.5)]
+    # one round, two methods: the later method is set against the first dense run
+    assert flanked([None, "gsa", "quest"], [30.0, 10.0, 15.0]) == {
+        "gsa": [(10.0, 30.0)],
+        "quest": [(15.0, 30.0)],
+    }
+    # a run with no timed step is left out, and so is a dense run with none
+    assert flanked(order, [30.0, None, None, 15.0, 45.0, 10.0, 30.0])["gsa"] == [
+        (15.0, (30.0 * 45.0) ** 0.5),
+        (10.0, (45.0 * 30.0) ** 0.5),
+    ]
+
+
+def test_run_config_takes_rounds_and_refuses_zero(monkeypatch) -> None:
+    import pytest
+
+    from kvfabric.bench.sparse_vllm import RunConfig
+
+    monkeypatch.setenv("KVFABRIC_BENCH_SPARSE_VLLM", '{"cases": ["tiny"], "rounds": 3}')
+    assert RunConfig.from_env().rounds == 3
+    monkeypatch.setenv("KVFABRIC_BENCH_SPARSE_VLLM", '{"rounds": 0}')
+    with pytest.raises(ValueError, match="rounds=0"):
+        RunConfig.from_env()
