@@ -183,6 +183,27 @@ def test_a_block_table_with_another_requests_blocks_runs_dense(tmp_path) -> None
     assert sel is not None and sel.rows == (1,)
 
 
+def test_rows_of_different_lengths_are_checked_only_over_the_blocks_each_has_seen(tmp_path) -> None:
+    # the shorter request's table row goes on past its blocks with the longer one's (as a
+    # reused row of vLLM's block table may): those entries are not its blocks yet, and must
+    # not make its row look like another request's
+    short, long = 10 * BS + 2, 14 * BS + 5
+    table = torch.arange(2 * 20, dtype=torch.int32).view(2, 20)
+    table[0, -(-short // BS) :] = table[1, -(-short // BS) :]
+    rt, kv = _runtime(tmp_path), LayerKV(torch.zeros(H, NB, BS, D), torch.zeros(H, NB, BS, D))
+    torch.manual_seed(1)
+    ks = [torch.randn(n, H, D) for n in (short, long)]
+    qs = [torch.randn(n, H * G, D) for n in (short, long)]
+    for r in range(2):
+        _write(kv, table[r], ks[r], 0)
+    assert _run(rt, table, [short, long], [short, long], torch.cat(qs), torch.cat(ks), kv) is None
+    q, k = torch.randn(2, H * G, D), torch.randn(2, H, D)
+    for t in (1, 2):
+        sel = _run(rt, table, [short + t, long + t], [1, 1], q, k, kv)
+        assert sel is not None and sel.rows == (0, 1), t
+    assert rt.snapshot()["identity_mismatch"] == 0
+
+
 @pytest.mark.parametrize("name", ["gsa", "quest", "meankey"])
 def test_blocks_summarised_when_they_fill_select_what_per_key_updates_select(name: str) -> None:
     """``seal`` from the cache (a block when it fills, the partial last block before a
