@@ -65,6 +65,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
+from kvfabric.bench.flank import flanked_schedule
 from kvfabric.bench.report import BenchContext, cpu_busy_fraction, machine_note, read_cpu_row
 from kvfabric.bench.serve_configs import Config, configs, variants
 from kvfabric.bench.serve_procs import (
@@ -87,7 +88,6 @@ from kvfabric.bench.serve_workload import (
     RequestRecord,
     add_ratios,
     flank_figures,
-    flanked_schedule,
     floor_figures,
     make_row,
     phase_stats,

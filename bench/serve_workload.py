@@ -10,10 +10,9 @@ statistics of a run and the row schema. No engine, no process, no clock.
   arrival offsets from a Poisson process at ``qps`` (``None``: all at 0, saturation).
 * :func:`percentile`, :func:`phase_stats`: requests/s, output tokens/s, TTFT p50/p90/p99
   and hit rate in tokens of one phase from per-request records.
-* :func:`flanked_schedule`: the run order of one phase, vLLM alone before and after every
-  other configuration, so each is compared with the baseline runs next to it in time.
 * :func:`flank_figures`: each run's adjacent baseline figures (the geometric mean of the
-  runs right before and after it), against which its ratios are taken.
+  runs right before and after it, in the order :func:`kvfabric.bench.flank.flanked_schedule`
+  gives), against which its ratios are taken.
 * :func:`add_ratios`: each row's ratios to vLLM alone and to the best peer of its phase.
 * :func:`floor_figures`: the warm single-request floor (KV bytes / memcpy bandwidth + the
   engine's time with the prefix resident) and the warm TTFT's ratio to it.
@@ -27,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from kvfabric.bench.flank import adjacent_means
 
 #: token ids drawn for prompts: above the special tokens, below SmolLM2's vocabulary (49,152)
 TOKEN_LOW, TOKEN_HIGH = 100, 40000
@@ -235,19 +236,6 @@ def _ratio(num: Any, den: Any) -> float | None:
     return round(num / den, 3)
 
 
-def flanked_schedule(configs: Sequence[str], baseline: str) -> list[str]:
-    """The run order of one phase: ``baseline`` first, then each of ``configs`` followed by
-    ``baseline`` again (``b, c1, b, c2, b, ..., cn, b``), so every configuration runs
-    between two baseline runs and a drift in the machine's load moves both sides of its
-    ratio alike."""
-    if baseline in configs:
-        raise ValueError(f"the baseline {baseline!r} is not one of the configurations it flanks")
-    out = [baseline]
-    for c in configs:
-        out += [c, baseline]
-    return out
-
-
 #: the figures a run's adjacent baseline is summarized by
 FLANK_FIGURES = ("ttft_p50_s", "requests_per_s")
 
@@ -255,22 +243,15 @@ FLANK_FIGURES = ("ttft_p50_s", "requests_per_s")
 def flank_figures(runs: Sequence[tuple[str, dict[str, Any]]], baseline: str) -> list[dict[str, float] | None]:
     """For each run of ``runs`` (in the order they ran: (config, stats) pairs), the
     baseline's figures next to it in time: for each of :data:`FLANK_FIGURES`, the geometric
-    mean of the nearest baseline run before it and the nearest after it (one side alone
-    where the other has none), keyed ``vllm_adjacent_<figure>``. None for a baseline run,
-    and for a run with no baseline run on either side or whose neighbours lack a figure."""
+    mean of the nearest baseline runs before and after it that have the figure (one side
+    alone where the other has none; :func:`~kvfabric.bench.flank.adjacent_means`), keyed
+    ``vllm_adjacent_<figure>``. None for a baseline run, and for a run with no such
+    baseline run on either side."""
+    base = [cfg == baseline for cfg, _ in runs]
+    means = {key: adjacent_means(base, [st.get(key) for _, st in runs]) for key in FLANK_FIGURES}
     out: list[dict[str, float] | None] = []
-    for i, (cfg, _) in enumerate(runs):
-        if cfg == baseline:
-            out.append(None)
-            continue
-        before = next((st for c, st in reversed(runs[:i]) if c == baseline), None)
-        after = next((st for c, st in runs[i + 1 :] if c == baseline), None)
-        sides = [st for st in (before, after) if st is not None]
-        figs: dict[str, float] = {}
-        for key in FLANK_FIGURES:
-            vals = [st.get(key) for st in sides]
-            if vals and all(isinstance(v, (int, float)) and v > 0 for v in vals):
-                figs[f"vllm_adjacent_{key}"] = round(math.prod(vals) ** (1 / len(vals)), 4)
+    for i in range(len(runs)):
+        figs = {f"vllm_adjacent_{k}": round(m[i], 4) for k, m in means.items() if m[i] is not None}
         out.append(figs if len(figs) == len(FLANK_FIGURES) else None)
     return out
 

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -74,6 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfabric.bench.flank import adjacent_means, flanked_schedule
 from kvfabric.bench.report import BenchContext, machine_note
 from kvfabric.bench.sparse.passkeys import FirstDecode, accuracy, build_prompt, prompt_specs
 
@@ -391,42 +391,32 @@ def _ms(times: Sequence[float]) -> float:
     return statistics.median(times) * 1e3
 
 
+#: the stock backend's name in a flanked schedule (:func:`run_order` gives it as None)
+_STOCK = "<stock backend>"
+
+
 def run_order(methods: Sequence[str], rounds: int) -> list[str | None]:
     """The engines of one model in the order they run (None: dense): dense, then every
-    method; with ``rounds`` > 1, each method's run ``rounds`` times, every run followed by
-    a dense one, so that each run of a method sits between two dense runs."""
+    method; with ``rounds`` > 1, each method's run ``rounds`` times in a flanked schedule
+    (:func:`kvfabric.bench.flank.flanked_schedule`), each run between two dense runs."""
     if rounds <= 1:
         return [None, *methods]
-    order: list[str | None] = [None]
-    for _ in range(rounds):
-        for m in methods:
-            order += [m, None]
-    return order
+    return [None if m == _STOCK else m for m in flanked_schedule(list(methods) * rounds, _STOCK)]
 
 
 def flanked(
     order: Sequence[str | None], step_ms: Sequence[float | None]
 ) -> dict[str, list[tuple[float, float]]]:
     """Per method, ``(its step, the dense step next to it)`` for each of its timed runs in
-    ``order`` (``step_ms`` per run, None: not timed). The dense step is the geometric mean
-    of the nearest dense run before it and the dense run right after it, if one follows
-    at once (with one round, only the first dense run): each ratio is then shielded from
-    the machine's drift between runs."""
+    ``order`` (``step_ms`` per run, None: not timed): the geometric mean of the nearest
+    timed dense runs before and after it (:func:`kvfabric.bench.flank.adjacent_means`;
+    with one round, the first dense run alone), which shields each ratio from the
+    machine's drift between runs."""
+    near = adjacent_means([m is None for m in order], step_ms)
     out: dict[str, list[tuple[float, float]]] = {}
-    for i, m in enumerate(order):
-        st = step_ms[i]
-        if m is None or st is None:
-            continue
-        near: list[float] = []
-        before = next(
-            (x for j in range(i - 1, -1, -1) if order[j] is None and (x := step_ms[j]) is not None), None
-        )
-        if before is not None:
-            near.append(before)
-        if i + 1 < len(order) and order[i + 1] is None and step_ms[i + 1] is not None:
-            near.append(step_ms[i + 1])  # type: ignore[arg-type]
-        if near:
-            out.setdefault(m, []).append((st, math.prod(near) ** (1 / len(near))))
+    for m, st, dn in zip(order, step_ms, near):
+        if m is not None and st is not None and dn is not None:
+            out.setdefault(m, []).append((st, dn))
     return out
 
 

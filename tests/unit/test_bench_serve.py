@@ -171,7 +171,7 @@ def test_rows_of_a_result_and_of_a_crash() -> None:
 
 
 def test_flanked_schedule_puts_the_baseline_around_every_configuration() -> None:
-    from kvfabric.bench.serve_workload import flanked_schedule
+    from kvfabric.bench.flank import flanked_schedule
 
     assert flanked_schedule(["a", "b"], "v") == ["v", "a", "v", "b", "v"]
     assert flanked_schedule([], "v") == ["v"]

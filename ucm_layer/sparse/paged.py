@@ -577,13 +577,14 @@ class PagedSelector:
             logical = torch.cat([rows.sink_idx, free, rows.recent_idx], dim=-1)
         else:
             logical = torch.cat([rows.sink_idx, rows.recent_idx], dim=-1)
-        if rows.entry_lens is not None and logical.shape[-1] == rows.k:
-            # head allocation with the partial block last: every entry used, lengths per step
-            physical = rows.tables.gather(1, logical.reshape(s, -1)).view_as(logical)
-            return physical, rows.entry_lens
-        used = logical >= 0
-        logical = logical.clamp(min=0)
+        # head allocation with the partial block last: every entry used, lengths per step
+        fixed = rows.entry_lens
+        if fixed is None:
+            used = logical >= 0
+            logical = logical.clamp(min=0)
         physical = rows.tables.gather(1, logical.reshape(s, -1)).view_as(logical)
+        if fixed is not None:
+            return physical, fixed
         last = logical == (rows.nb - 1).view(-1, 1, 1)
         lens = torch.where(last, rows.tail.view(-1, 1, 1), torch.full_like(logical, self.bs)) * used
         return physical, lens

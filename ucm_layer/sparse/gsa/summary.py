@@ -223,32 +223,38 @@ class SvdMaxNormScorer(RowMaxScorer):
         tau = keys.norm(dim=-1, keepdim=True) * self.margin
         return torch.cat([p + tau, tau - p, self._residual_norms(keys, p, params) + tau], dim=-1)
 
-    def bound_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+    def _project(self, q: torch.Tensor, params: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(p, |q_res|)``: the basis coordinates of ``q (..., D)`` and its residual norm."""
         p = torch.matmul(q, self._basis() if params is None else params)
-        return torch.cat([p.clamp(min=0), (-p).clamp(min=0), self._residual_norms(q, p, params)], dim=-1)
+        return p, self._residual_norms(q, p, params)
+
+    @staticmethod
+    def _bound_cols(p: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        """The bound's weights ``[p+, p-, |q_res|]`` from a projection."""
+        return torch.cat([p.clamp(min=0), (-p).clamp(min=0), res], dim=-1)
+
+    def _estimate_cols(self, p: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        """The estimate's weights from a projection (see the module docstring)."""
+        a = p.abs() * self.spread
+        return torch.cat([(a + p) * 0.5, (a - p) * 0.5, res * self.residual], dim=-1)
+
+    def bound_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
+        return self._bound_cols(*self._project(q, params))
 
     def ranking_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
         if self.select == "bound":
             return self.bound_weights_with(q, params)
         # "estimate", and "mixed" (the estimate ranks, the bound picks bound_share first)
-        p = torch.matmul(q, self._basis() if params is None else params)
-        a = p.abs() * self.spread
-        res = self._residual_norms(q, p, params) * self.residual
-        return torch.cat([(a + p) * 0.5, (a - p) * 0.5, res], dim=-1)
+        return self._estimate_cols(*self._project(q, params))
 
     def select_weights_with(self, q: torch.Tensor, params: torch.Tensor | None) -> torch.Tensor:
         if self.select != "mixed" or self.groups != 1:
             return super().select_weights_with(q, params)
         # one projection of the queries and their mean (the bound's query) for both parts
         g = q.shape[-2]
-        x = torch.cat([q, q.mean(dim=-2, keepdim=True)], dim=-2)
-        p = torch.matmul(x, self._basis() if params is None else params)
-        res = self._residual_norms(x, p, params)
-        pr, pb = p[..., :g, :], p[..., g:, :]
-        a = pr.abs() * self.spread
-        rank = torch.cat([(a + pr) * 0.5, (a - pr) * 0.5, res[..., :g, :] * self.residual], dim=-1)
-        bound = torch.cat([pb.clamp(min=0), (-pb).clamp(min=0), res[..., g:, :]], dim=-1)
-        return torch.cat([rank, bound], dim=-2)
+        p, res = self._project(torch.cat([q, q.mean(dim=-2, keepdim=True)], dim=-2), params)
+        rank = self._estimate_cols(p[..., :g, :], res[..., :g, :])
+        return torch.cat([rank, self._bound_cols(p[..., g:, :], res[..., g:, :])], dim=-2)
 
 
 __all__ = ["SummaryOptions", "SvdMaxNormScorer", "default_rank", "fit_basis"]
