@@ -81,7 +81,7 @@ class Preset:
 
 
 FULL = Preset("full", 4, 512, 5, 32, 8, kv_cache_tokens=1024)
-QUICK = Preset("quick", 2, 256, 3, 16, 4, kv_cache_tokens=320, rate_fraction=0.7, floor_rounds=3)
+QUICK = Preset("quick", 2, 256, 5, 16, 4, kv_cache_tokens=320, rate_fraction=0.7, floor_rounds=3)
 
 
 @dataclass(frozen=True)
