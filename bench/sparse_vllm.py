@@ -437,21 +437,25 @@ def group_rows(
     runs = [_serve_all(groups, m, new, tail, work) for m in order]
     dense = runs[0]
     geo = KVGeometry.of(_model_path(groups[0].model, max(g.context for g in groups)))
+    picks = {"batch": lambda sv: sv.batch_s, "solo": lambda sv: sv.solo_s}
+    # per group and batch, once for every method: each run's median step and the flanking
+    timed: dict[tuple[int, str], tuple[list[float | None], dict[str, list[tuple[float, float]]]]] = {}
+    for gi in range(len(groups)):
+        for kind, pick in picks.items():
+            medians = [_ms(pick(r[gi])) if pick(r[gi]) else None for r in runs]
+            timed[gi, kind] = (medians, flanked(order, medians))
     for method in methods:
         mine = [j for j, m in enumerate(order) if m == method]
         served = runs[mine[0]]
         for gi, (g, d, m) in enumerate(zip(groups, dense, served)):
             ctx = round(statistics.mean(len(p) for p in g.prompts))
-            for batch, pick, fl in (
-                (len(g.prompts), lambda sv: sv.batch_s, d.floor_s),
-                (1, lambda sv: sv.solo_s, d.floor_solo_s),
-            ):
-                ms, dms = pick(m), pick(d)
+            for batch, kind, fl in ((len(g.prompts), "batch", d.floor_s), (1, "solo", d.floor_solo_s)):
+                ms, dms = picks[kind](m), picks[kind](d)
                 if not ms or not dms:
                     _say(f"  no step of batch {batch} was timed: no speed row")
                     continue
-                medians = [_ms(pick(r[gi])) if pick(r[gi]) else None for r in runs]
-                pairs = flanked(order, medians).get(method, [])
+                medians, by_method = timed[gi, kind]
+                pairs = by_method.get(method, [])
                 if not pairs:
                     continue
                 ratios = [dn / st for st, dn in pairs]
